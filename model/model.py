@@ -1,0 +1,327 @@
+"""The PRISM language model: a GPT-style decoder with a sparse prototype output head.
+
+Notation follows DESIGN §1: ``d`` hidden size, ``K`` prototypes, ``k`` active per token,
+``V`` vocabulary, ``W`` (V, d) the unembedding (tied to the token embedding), ``z_t`` the final
+hidden state after the final norm, ``P`` the prototype bank, stored as rows ``(K, d)``.
+
+    s_{t,i} = ReLU(cos(z_t, p_i));  K_t = top-k of s_t;  a_t = c_t * s_t on K_t
+    zhat_t  = sum_{i in K_t} a_{t,i} p_i;  r_t = z_t - zhat_t
+    l_t     = W r_t + sum_{i in K_t} a_{t,i} W p_i  ( = W z_t exactly)
+
+Because the logits equal ``W z_t``, training computes them that way; :meth:`PRISM.decompose`
+returns the additive split. The prototype head never keeps a dense (N, K) tensor for backward:
+similarities are computed without autograd and the selected (N, k) entries get their gradients
+through sparse products (``model/sparse.py``): O(N k d) instead of O(N K d).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from .config import ModelConfig
+from .sparse import gather_dot, sparse_mix
+
+_EPS = 1e-6
+
+
+class CausalSelfAttention(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.n_head = cfg.n_head
+        self.qkv = nn.Linear(cfg.d_model, 3 * cfg.d_model, bias=False)
+        self.proj = nn.Linear(cfg.d_model, cfg.d_model, bias=False)
+        self.dropout = cfg.dropout
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        B, T, C = x.shape
+        q, k, v = self.qkv(x).split(C, dim=2)
+        # (B, T, C) -> (B, nh, T, hs)
+        q = q.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)
+        k = k.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)
+        v = v.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)
+        y = F.scaled_dot_product_attention(
+            q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0.0
+        )
+        y = y.transpose(1, 2).contiguous().view(B, T, C)  # (B, nh, T, hs) -> (B, T, C)
+        return F.dropout(self.proj(y), self.dropout, self.training)
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.fc = nn.Linear(cfg.d_model, 4 * cfg.d_model, bias=False)
+        self.proj = nn.Linear(4 * cfg.d_model, cfg.d_model, bias=False)
+        self.dropout = cfg.dropout
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.dropout(self.proj(F.gelu(self.fc(x))), self.dropout, self.training)
+
+
+class Block(nn.Module):
+    """Pre-norm transformer block."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.ln1 = nn.LayerNorm(cfg.d_model, bias=False)
+        self.attn = CausalSelfAttention(cfg)
+        self.ln2 = nn.LayerNorm(cfg.d_model, bias=False)
+        self.mlp = MLP(cfg)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.ln1(x))
+        return x + self.mlp(self.ln2(x))
+
+
+@dataclass
+class HeadOutput:
+    """Sparse prototype code of N token states (flattened over batch and time)."""
+
+    proto_idx: torch.Tensor  # (N, k) int64, sorted by similarity, descending
+    acts: torch.Tensor  # (N, k) >= 0; 0 where the similarity was not positive
+    zhat: torch.Tensor  # (N, d)
+    losses: dict[str, torch.Tensor] = field(default_factory=dict)  # rec, r1, r2
+    metrics: dict[str, torch.Tensor] = field(default_factory=dict)  # R1bar, R2 (detached)
+    mass: torch.Tensor | None = None  # (K,) activation mass per prototype (detached)
+
+
+class PrototypeHead(nn.Module):
+    """Sparse, non-negative prototype reconstruction of the final hidden state."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.k = cfg.top_k
+        self.act_scale = cfg.act_scale
+        self.prototypes = nn.Parameter(torch.randn(cfg.n_prototypes, cfg.d_model))  # P^T: (K, d)
+
+    @property
+    def n_prototypes(self) -> int:
+        return self.prototypes.shape[0]
+
+    def similarities(self, z: torch.Tensor) -> torch.Tensor:
+        """Cosine similarities (N, K) in fp32 without autograd (ReLU not applied)."""
+        with torch.no_grad(), torch.autocast(z.device.type, enabled=False):
+            zn = F.normalize(z.detach().float(), dim=-1)
+            pn = F.normalize(self.prototypes.detach().float(), dim=-1)
+            return zn @ pn.T  # (N, d) @ (d, K) -> (N, K)
+
+    def forward(self, z: torch.Tensor, *, with_losses: bool = False) -> HeadOutput:
+        """Encode z (N, d). With ``with_losses`` also return L_REC, L_R1, L_R2 and R1bar/R2.
+
+        The head always runs in fp32 (autocast off), so the active sets do not depend on the
+        backbone's precision.
+        """
+        with torch.autocast(z.device.type, enabled=False):
+            return self._forward(z.float(), with_losses)
+
+    def _forward(self, z: torch.Tensor, with_losses: bool) -> HeadOutput:
+        P = self.prototypes.float()
+        sim = self.similarities(z)  # (N, K), no grad
+        top_s, top_i = sim.topk(self.k, dim=-1)  # (N, k)
+
+        # The selected cosines get gradients through sparse products: O(N k d), no (N, K) tensor.
+        inv_pnorm = 1.0 / P.norm(dim=-1).clamp_min(_EPS)  # (K,)
+        zn = F.normalize(z, dim=-1)  # (N, d)
+        pn = P * inv_pnorm.unsqueeze(-1)  # (K, d)
+        cos = gather_dot(zn, pn, top_i, top_s)  # (N, k), equal to top_s, differentiable
+        s = cos.clamp_min(0.0)  # ReLU
+        m = sparse_mix(s, P, top_i)  # (N, d) mixture sum_i s_i p_i
+        if self.act_scale == "lsq":
+            # c_t = max(0, <z, m>) / ||m||^2: the non-negative least-squares scale along m.
+            c = (z * m).sum(-1).clamp_min(0.0) / (m.pow(2).sum(-1) + _EPS)  # (N,)
+            acts = s * c.unsqueeze(-1)
+            zhat = m * c.unsqueeze(-1)
+        else:
+            acts = s
+            zhat = m
+        out = HeadOutput(proto_idx=top_i, acts=acts, zhat=zhat)
+        if not with_losses:
+            return out
+
+        r = z - zhat
+        out.losses["rec"] = (r.pow(2).sum(-1) / (z.pow(2).sum(-1) + _EPS)).mean()
+        # L_R1: each prototype pulled to its nearest token state (token states held fixed).
+        near_t = _argmax_dim0(sim)  # (K,)
+        out.losses["r1"] = 1.0 - (pn * zn.detach()[near_t]).sum(-1).mean()
+        # L_R2: each token state and its nearest prototype pulled together.
+        out.losses["r2"] = 1.0 - cos[:, 0].mean()
+        with torch.no_grad():
+            out.metrics["R1bar"] = sim.amax(dim=0).mean()
+            out.metrics["R2"] = top_s[:, 0].mean()
+            out.mass = torch.zeros(self.n_prototypes, device=z.device).index_add_(
+                0, top_i.reshape(-1), acts.detach().reshape(-1)
+            )
+        return out
+
+
+def _argmax_dim0(x: torch.Tensor, block: int = 64) -> torch.Tensor:
+    """``x.argmax(0)`` for a (N, K) matrix, several times faster on CPU.
+
+    A column-wise argmax strides through memory; block maxima (``amax`` is vectorised) find the
+    winning block of rows per column, then a small gather finds the row inside it.
+    """
+    N, K = x.shape
+    pad = (-N) % block
+    if pad:
+        x = torch.cat([x, x.new_full((pad, K), -float("inf"))])
+    b = x.view(-1, block, K)  # (N / block, block, K)
+    best_block = b.amax(1).argmax(0)  # (K,)
+    rows = b[best_block, :, torch.arange(K, device=x.device)]  # (K, block)
+    return best_block * block + rows.argmax(-1)
+
+
+@dataclass
+class ModelOutput:
+    logits: torch.Tensor | None  # (B, T, V), or (B, 1, V) when only the last position is asked
+    loss: torch.Tensor | None = None
+    losses: dict[str, torch.Tensor] = field(default_factory=dict)  # ce (+ rec, r1, r2 for PRISM)
+    metrics: dict[str, torch.Tensor] = field(default_factory=dict)
+    z: torch.Tensor | None = None  # (B, T, d) final hidden states
+    head: HeadOutput | None = None
+
+
+@dataclass
+class Decomposition:
+    """Additive split of chosen logits: ``logit == contrib.sum(-1) + residual``."""
+
+    proto_idx: torch.Tensor  # (n, k)
+    acts: torch.Tensor  # (n, k)
+    contrib: torch.Tensor  # (n, k)  a_{t,i} (W p_i)_y
+    residual: torch.Tensor  # (n,)    (W r_t)_y
+    logit: torch.Tensor  # (n,)    the model's logit l_t[y]
+
+
+class PRISM(nn.Module):
+    """GPT-style decoder; ``cfg.head`` selects the prototype head or the dense baseline."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.wte = nn.Embedding(cfg.vocab_size, cfg.d_model)
+        self.wpe = nn.Embedding(cfg.block_size, cfg.d_model)
+        self.drop = nn.Dropout(cfg.dropout)
+        self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layer))
+        self.ln_f = nn.LayerNorm(cfg.d_model, bias=False)
+        self.head = PrototypeHead(cfg) if cfg.head == "prism" else None
+        self.apply(self._init_weights)
+        for name, p in self.named_parameters():
+            if name.endswith("proj.weight"):  # GPT-2 scaled init of residual projections
+                nn.init.normal_(p, mean=0.0, std=0.02 / math.sqrt(2 * cfg.n_layer))
+
+    @staticmethod
+    def _init_weights(module: nn.Module) -> None:
+        if isinstance(module, nn.Linear):
+            nn.init.normal_(module.weight, mean=0.0, std=0.02)
+        elif isinstance(module, nn.Embedding):
+            nn.init.normal_(module.weight, mean=0.0, std=0.02)
+
+    @property
+    def W(self) -> torch.Tensor:
+        """Unembedding (V, d), tied to the token embedding."""
+        return self.wte.weight
+
+    def num_params(self) -> int:
+        return sum(p.numel() for p in self.parameters())
+
+    def hidden(self, idx: torch.Tensor) -> torch.Tensor:
+        """Final hidden states z (B, T, d), after the final norm."""
+        B, T = idx.shape
+        if T > self.cfg.block_size:
+            raise ValueError(f"sequence length {T} exceeds block_size {self.cfg.block_size}")
+        pos = torch.arange(T, device=idx.device)
+        x = self.drop(self.wte(idx) + self.wpe(pos))  # (B, T, d)
+        for block in self.blocks:
+            x = block(x)
+        return self.ln_f(x)
+
+    def forward(
+        self,
+        idx: torch.Tensor,
+        targets: torch.Tensor | None = None,
+        *,
+        last_only: bool = False,
+        return_head: bool = False,
+    ) -> ModelOutput:
+        """Logits and, given targets (B, T), the training loss ``L_CE + sum lam * L_aux``."""
+        z = self.hidden(idx)  # (B, T, d)
+        if last_only and targets is None:
+            return ModelOutput(logits=F.linear(z[:, -1:], self.W), z=z)
+        logits = F.linear(z, self.W)  # (B, T, V) == W r + sum a W p
+        out = ModelOutput(logits=logits, z=z)
+        want_head = self.head is not None and (targets is not None or return_head)
+        if want_head:
+            assert self.head is not None
+            out.head = self.head(z.reshape(-1, z.shape[-1]), with_losses=targets is not None)
+        if targets is None:
+            return out
+        ce = F.cross_entropy(logits.float().view(-1, logits.size(-1)), targets.reshape(-1), ignore_index=-1)
+        out.losses["ce"] = ce
+        loss = ce
+        if out.head is not None:
+            c = self.cfg
+            h = out.head.losses
+            out.losses.update(h)
+            loss = loss + c.lam_rec * h["rec"] + c.lam_r1 * h["r1"] + c.lam_r2 * h["r2"]
+            out.metrics.update(out.head.metrics)
+        out.loss = loss
+        return out
+
+    @torch.no_grad()
+    def decompose(
+        self, idx: torch.Tensor, positions: torch.Tensor | None = None, tokens: torch.Tensor | None = None
+    ) -> Decomposition:
+        """Split the logit of ``tokens`` at ``positions`` of one sequence idx (T,) or (1, T).
+
+        ``positions`` (n,) defaults to every position; ``tokens`` (n,) defaults to the greedy
+        next token at each position. Returns each active prototype's share
+        ``a_{t,i} (W p_i)_y`` and the residual's share ``(W r_t)_y``; they add up to ``l_t[y]``.
+        """
+        if self.head is None:
+            raise ValueError("decompose() needs a PRISM head; this is the dense baseline")
+        idx = idx.reshape(1, -1)
+        z = self.hidden(idx)[0].float()  # (T, d)
+        if positions is None:
+            positions = torch.arange(z.shape[0], device=z.device)
+        zp = z[positions]  # (n, d)
+        logits = F.linear(zp, self.W.float())  # (n, V)
+        if tokens is None:
+            tokens = logits.argmax(-1)
+        h = self.head(zp)
+        W_y = self.W.float()[tokens]  # (n, d) rows of W for the chosen tokens
+        P_sel = F.embedding(h.proto_idx, self.head.prototypes.float())  # (n, k, d)
+        contrib = h.acts * torch.einsum("nkd,nd->nk", P_sel, W_y)  # a_{t,i} (W p_i)_y
+        residual = ((zp - h.zhat) * W_y).sum(-1)  # (W r_t)_y
+        logit = logits.gather(1, tokens[:, None])[:, 0]
+        return Decomposition(h.proto_idx, h.acts, contrib, residual, logit)
+
+    @torch.no_grad()
+    def generate(
+        self,
+        idx: torch.Tensor,
+        max_new_tokens: int,
+        *,
+        temperature: float = 0.0,
+        top_k: int | None = None,
+        generator: torch.Generator | None = None,
+        stop_token: int | None = None,
+    ) -> torch.Tensor:
+        """Greedy (temperature 0) or sampled continuation of idx (1, T); returns (1, T + n)."""
+        for _ in range(max_new_tokens):
+            ctx = idx[:, -self.cfg.block_size :]
+            logits = self(ctx, last_only=True).logits[:, -1, :].float()  # (1, V)
+            if temperature <= 0:
+                nxt = logits.argmax(-1, keepdim=True)
+            else:
+                logits = logits / temperature
+                if top_k is not None:
+                    v, _ = torch.topk(logits, min(top_k, logits.size(-1)))
+                    logits[logits < v[:, [-1]]] = -float("inf")
+                nxt = torch.multinomial(F.softmax(logits, dim=-1), 1, generator=generator)
+            idx = torch.cat([idx, nxt], dim=1)
+            if stop_token is not None and int(nxt) == stop_token:
+                break
+        return idx

@@ -1,0 +1,213 @@
+"""The ``prism`` command line: one entry point, one sub-command per job."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from . import demo_corpus_path
+from .errors import PrismError
+from .logs import setup_logging
+
+log = logging.getLogger("prism")
+
+# Named starting points for `prism train --preset`; --config and --set override them.
+PRESETS: dict[str, dict[str, dict[str, Any]]] = {
+    # The demo model: trains in a few minutes on 2 CPU cores.
+    "tiny": {
+        "model": {"vocab_size": 4096, "block_size": 128, "n_layer": 4, "n_head": 4, "d_model": 128,
+                  "n_prototypes": 512, "top_k": 8},
+        "train": {"batch_size": 16, "max_steps": 1500, "lr": 2e-3, "min_lr": 2e-4, "warmup_steps": 50,
+                  "eval_every": 250, "ckpt_every": 250, "eval_tokens": 32768},
+    },
+    # The benchmark model of bench/train_throughput.py (d=256, K=1024, k=8).
+    "small": {
+        "model": {"vocab_size": 8192, "block_size": 128, "n_layer": 4, "n_head": 4, "d_model": 256,
+                  "n_prototypes": 1024, "top_k": 8},
+        "train": {"batch_size": 16, "max_steps": 2000, "lr": 1e-3, "min_lr": 1e-4, "warmup_steps": 100},
+    },
+    # GPT-2-small scale, for a GPU.
+    "gpt2-small": {
+        "model": {"vocab_size": 32768, "block_size": 1024, "n_layer": 12, "n_head": 12, "d_model": 768,
+                  "n_prototypes": 8192, "top_k": 8},
+        "train": {"batch_size": 16, "max_steps": 5000, "lr": 6e-4, "min_lr": 6e-5, "warmup_steps": 200},
+    },
+}
+
+
+def _parse_value(raw: str) -> Any:
+    try:
+        return json.loads(raw)
+    except json.JSONDecodeError:
+        return raw
+
+
+def build_configs(preset: str, config_file: str | None, sets: list[str], head: str | None = None):
+    from .errors import ConfigError
+    from .model.config import ModelConfig, TrainConfig
+
+    if preset not in PRESETS:
+        raise ConfigError(f"--preset must be one of {sorted(PRESETS)}, got {preset!r}")
+    merged = {"model": dict(PRESETS[preset]["model"]), "train": dict(PRESETS[preset]["train"])}
+    if config_file:
+        try:
+            data = json.loads(Path(config_file).read_text())
+        except (OSError, json.JSONDecodeError) as e:
+            raise ConfigError(f"{config_file}: {e}") from e
+        for section in ("model", "train"):
+            merged[section].update(data.get(section, {}))
+        unknown = set(data) - {"model", "train"}
+        if unknown:
+            raise ConfigError(f"{config_file}: unknown section(s) {sorted(unknown)}; use 'model' and 'train'")
+    for item in sets:
+        key, sep, raw = item.partition("=")
+        section, dot, name = key.partition(".")
+        if not sep or not dot or section not in merged:
+            raise ConfigError(f"--set {item!r}: expected model.NAME=VALUE or train.NAME=VALUE")
+        merged[section][name] = _parse_value(raw)
+    if head is not None:
+        merged["model"]["head"] = head
+    return (ModelConfig.from_dict(merged["model"], where="model config"),
+            TrainConfig.from_dict(merged["train"], where="train config"))
+
+
+# ---------------------------------------------------------------------------- sub-commands
+def cmd_train(args: argparse.Namespace) -> int:
+    from .model.train import Trainer
+
+    model_cfg, train_cfg = build_configs(args.preset, args.config, args.set, args.head)
+    corpus = args.corpus or [demo_corpus_path()]
+    trainer = Trainer(model_cfg, train_cfg, corpus, args.out, tokenizer_path=args.tokenizer,
+                      progress=not args.no_progress, resume=not args.no_resume).setup()
+    try:
+        path = trainer.fit()
+    finally:
+        trainer.close()
+    if trainer.is_main:
+        print(json.dumps({"checkpoint": str(path), **trainer.last_eval}, indent=2))
+    return 0
+
+
+def _generate(checkpoint: str, prompts: list[str], max_new_tokens: int, temperature: float, top_k: int | None,
+              seed: int) -> list[str]:
+    import torch
+
+    from .model.checkpoint import load_checkpoint
+    from .model.tokenizer import eos_id
+
+    model, tok, _ = load_checkpoint(checkpoint)
+    out = []
+    for prompt in prompts:
+        ids = tok.encode(prompt).ids or [eos_id(tok)]
+        x = torch.tensor([ids[-model.cfg.block_size:]])
+        g = torch.Generator().manual_seed(seed)
+        y = model.generate(x, max_new_tokens, temperature=temperature, top_k=top_k, generator=g,
+                           stop_token=eos_id(tok))
+        new = [i for i in y[0, x.shape[1]:].tolist() if i != eos_id(tok)]
+        out.append(tok.decode(new))
+    return out
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    for prompt, text in zip(args.prompt, _generate(args.checkpoint, args.prompt, args.max_new_tokens,
+                                                     args.temperature, args.top_k, args.seed)):
+        print(json.dumps({"prompt": prompt, "completion": text}) if args.json else prompt + text)
+    return 0
+
+
+DEMO_PROMPTS = ["The only way to", "A computer", "Love is", "Never trust"]
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    """Train (or reuse) the tiny demo model on the bundled corpus and show what it writes."""
+    from .model import checkpoint as ckpt
+    from .model.train import Trainer
+
+    out = Path(args.out)
+    model_cfg, train_cfg = build_configs("tiny", None, args.set)
+    done = False
+    if (out / "latest").is_file():
+        try:
+            cfg = ckpt.read_config(ckpt.resolve(out))
+            done = cfg["training"].get("step", 0) >= train_cfg.max_steps
+        except PrismError:
+            done = False
+    t0 = time.perf_counter()
+    if done:
+        log.info("reusing the demo model", extra={"run": str(out)})
+    else:
+        log.info("training the demo model", extra={"run": str(out), "max_steps": train_cfg.max_steps})
+        trainer = Trainer(model_cfg, train_cfg, [demo_corpus_path()], out, progress=not args.no_progress).setup()
+        trainer.fit()
+    ckpt_path = ckpt.resolve(out)
+    training = ckpt.read_config(ckpt_path)["training"]
+    summary = {"checkpoint": str(ckpt_path), "seconds": round(time.perf_counter() - t0, 1),
+               **{k: training.get("eval", {}).get(k) for k in ("val_loss", "R1bar", "R2", "effective_prototypes",
+                                                              "dead_prototypes")}}
+    print(json.dumps(summary, indent=2))
+    for prompt, text in zip(DEMO_PROMPTS, _generate(str(ckpt_path), DEMO_PROMPTS, 40, 0.0, None, 0)):
+        print(f"\n>>> {prompt}{text}")
+    return 0
+
+
+# ---------------------------------------------------------------------------- parser
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="prism", description="PRISM-TDA: training-data attribution for PRISM models.")
+    p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    p.add_argument("--log-format", default="text", choices=["text", "json"], help="json: one object per line")
+    sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    t = sub.add_parser("train", help="train a PRISM model (or the dense baseline)",
+                       description="Train a PRISM model. Run under `torchrun --nproc_per_node N` for DDP.")
+    t.add_argument("--corpus", nargs="+", help="JSONL(.gz), Parquet (text column) or folders of .txt "
+                                               "(default: the bundled demo corpus)")
+    t.add_argument("--out", required=True, help="run directory (resumed when it has a checkpoint)")
+    t.add_argument("--preset", default="tiny", help=f"starting config: {', '.join(PRESETS)}")
+    t.add_argument("--config", help="JSON file with 'model' and 'train' sections overriding the preset")
+    t.add_argument("--set", action="append", default=[], metavar="SECTION.NAME=VALUE",
+                   help="override one field, e.g. --set model.d_model=256 --set train.max_steps=500")
+    t.add_argument("--head", choices=["prism", "dense"], help="shortcut for --set model.head=...")
+    t.add_argument("--tokenizer", help="use this tokenizer.json instead of training one")
+    t.add_argument("--no-resume", action="store_true", help="start over even if --out has a checkpoint")
+    t.add_argument("--no-progress", action="store_true", help="no progress bar")
+    t.set_defaults(fn=cmd_train)
+
+    g = sub.add_parser("generate", help="generate text from a checkpoint")
+    g.add_argument("--checkpoint", required=True, help="checkpoint or run directory")
+    g.add_argument("--prompt", nargs="+", required=True)
+    g.add_argument("--max-new-tokens", type=int, default=50)
+    g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    g.add_argument("--top-k", type=int, default=None)
+    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--json", action="store_true", help="one JSON object per prompt")
+    g.set_defaults(fn=cmd_generate)
+
+    d = sub.add_parser("demo", help="the main job: train the tiny demo model on the bundled corpus",
+                       description="Train (or reuse) a tiny PRISM model on the bundled demo corpus and "
+                                   "print sample generations.")
+    d.add_argument("--out", default="runs/demo", help="run directory (default: runs/demo)")
+    d.add_argument("--set", action="append", default=[], metavar="SECTION.NAME=VALUE")
+    d.add_argument("--no-progress", action="store_true")
+    d.set_defaults(fn=cmd_demo)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    setup_logging(args.log_level, args.log_format)
+    try:
+        return args.fn(args)
+    except PrismError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,39 @@
+"""Structured logging: one JSON object per line on stderr (or key=value text for humans)."""
+
+from __future__ import annotations
+
+import json
+import logging
+import sys
+import time
+
+_RESERVED = set(vars(logging.makeLogRecord({})))
+
+
+class JsonFormatter(logging.Formatter):
+    def format(self, record: logging.LogRecord) -> str:
+        out = {
+            "ts": time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(record.created)) + f".{int(record.msecs):03d}Z",
+            "level": record.levelname.lower(),
+            "logger": record.name,
+            "event": record.getMessage(),
+        }
+        out.update({k: v for k, v in vars(record).items() if k not in _RESERVED and not k.startswith("_")})
+        if record.exc_info:
+            out["exc"] = self.formatException(record.exc_info)
+        return json.dumps(out, default=str)
+
+
+class TextFormatter(logging.Formatter):
+    def format(self, record: logging.LogRecord) -> str:
+        extra = " ".join(f"{k}={v}" for k, v in vars(record).items() if k not in _RESERVED and not k.startswith("_"))
+        return f"{record.levelname.lower():7s} {record.name}: {record.getMessage()}" + (f"  {extra}" if extra else "")
+
+
+def setup_logging(level: str = "info", fmt: str = "text") -> None:
+    """Configure the root logger once: ``fmt`` is ``json`` (machines) or ``text`` (terminals)."""
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(JsonFormatter() if fmt == "json" else TextFormatter())
+    root = logging.getLogger()
+    root.handlers[:] = [handler]
+    root.setLevel(level.upper())
