@@ -63,6 +63,9 @@ class ModelConfig(_Config):
     lam_rec: float = 1.0
     lam_r1: float = 0.1
     lam_r2: float = 0.1
+    # Scale of the auxiliary losses' gradient into the backbone (1.0: full pull of the token states
+    # toward the prototypes; 0.0: the backbone learns from CE alone, the prototypes follow it).
+    backbone_aux_scale: float = 0.25
 
     def __post_init__(self) -> None:
         _check(self.vocab_size > 0, f"model.vocab_size must be > 0, got {self.vocab_size}")
@@ -81,7 +84,7 @@ class ModelConfig(_Config):
                 0 < self.top_k <= self.n_prototypes,
                 f"model.top_k must be in [1, n_prototypes={self.n_prototypes}], got {self.top_k}",
             )
-        for name in ("lam_rec", "lam_r1", "lam_r2"):
+        for name in ("lam_rec", "lam_r1", "lam_r2", "backbone_aux_scale"):
             _check(getattr(self, name) >= 0, f"model.{name} must be >= 0, got {getattr(self, name)}")
 
 

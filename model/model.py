@@ -206,11 +206,12 @@ class PRISM(nn.Module):
         self.drop = nn.Dropout(cfg.dropout)
         self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layer))
         self.ln_f = nn.LayerNorm(cfg.d_model, bias=False)
-        self.head = PrototypeHead(cfg) if cfg.head == "prism" else None
         self.apply(self._init_weights)
         for name, p in self.named_parameters():
             if name.endswith("proj.weight"):  # GPT-2 scaled init of residual projections
                 nn.init.normal_(p, mean=0.0, std=0.02 / math.sqrt(2 * cfg.n_layer))
+        # Created last, so PRISM and the dense baseline start from the same backbone weights.
+        self.head = PrototypeHead(cfg) if cfg.head == "prism" else None
 
     @staticmethod
     def _init_weights(module: nn.Module) -> None:
@@ -255,7 +256,12 @@ class PRISM(nn.Module):
         want_head = self.head is not None and (targets is not None or return_head)
         if want_head:
             assert self.head is not None
-            out.head = self.head(z.reshape(-1, z.shape[-1]), with_losses=targets is not None)
+            zh = z.reshape(-1, z.shape[-1])
+            a = self.cfg.backbone_aux_scale
+            if targets is not None and a != 1.0:
+                # same values, gradient into the backbone scaled by a
+                zh = zh.detach() if a == 0.0 else zh.detach() + a * (zh - zh.detach())
+            out.head = self.head(zh, with_losses=targets is not None)
         if targets is None:
             return out
         ce = F.cross_entropy(logits.float().view(-1, logits.size(-1)), targets.reshape(-1), ignore_index=-1)

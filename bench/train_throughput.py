@@ -1,0 +1,112 @@
+"""PRISM vs the dense baseline: training throughput and held-out quality, side by side.
+
+Both models share the backbone config, the initial backbone weights, the tokenizer, the data
+and the batch of every step. Their steps are interleaved (alternating which goes first), so
+drifts of the machine hit both alike; throughput is tokens / summed step time after warm-up.
+
+    python bench/train_throughput.py --preset small --steps 600
+    python bench/train_throughput.py --preset gpt2-small --steps 300 --set train.batch_size=16   # on a GPU
+
+Writes ``bench/results/train.json`` (and the two checkpoints under ``--work``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+from tqdm.auto import tqdm
+
+from prism_tda import demo_corpus_path
+from prism_tda.cli import build_configs
+from prism_tda.model.data import split_documents
+from prism_tda.model.metrics import evaluate
+from prism_tda.model.tokenizer import train_tokenizer
+from prism_tda.model.train import Trainer
+
+
+def main(argv: list[str] | None = None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--preset", default="small")
+    ap.add_argument("--steps", type=int, default=600)
+    ap.add_argument("--warmup", type=int, default=10, help="steps left out of the throughput figure")
+    ap.add_argument("--set", action="append", default=[])
+    ap.add_argument("--corpus", nargs="+", default=None)
+    ap.add_argument("--work", default="runs/bench_train")
+    ap.add_argument("--out", default="bench/results/train.json")
+    args = ap.parse_args(argv)
+
+    model_cfg, train_cfg = build_configs(args.preset, None, args.set + [f"train.max_steps={args.steps}"])
+    corpus = args.corpus or [demo_corpus_path()]
+    work = Path(args.work)
+    work.mkdir(parents=True, exist_ok=True)
+    tok_path = work / "tokenizer.json"
+    train_docs, _, _ = split_documents(corpus, train_cfg.val_fraction)
+    train_tokenizer((d.text for d in train_docs), model_cfg.vocab_size).save(str(tok_path))
+
+    trainers = {}
+    for head in ("prism", "dense"):
+        trainers[head] = Trainer(model_cfg.replace(head=head), train_cfg, corpus, work / head,
+                                 tokenizer_path=tok_path, progress=False, resume=False).setup()
+    times: dict[str, list[float]] = {"prism": [], "dense": []}
+    sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
+    for step in tqdm(range(args.steps), desc="interleaved steps", unit="step"):
+        order = ("prism", "dense") if step % 2 == 0 else ("dense", "prism")
+        for head in order:
+            t = trainers[head]
+            sync()
+            t0 = time.perf_counter()
+            t.train_step(step)
+            sync()
+            times[head].append(time.perf_counter() - t0)
+            t.step = step + 1
+    tok_per_step = train_cfg.batch_size * train_cfg.grad_accum * model_cfg.block_size
+    res: dict = {}
+    for head, t in trainers.items():
+        steady = times[head][args.warmup:]
+        res[f"{head}_tokens_per_s"] = tok_per_step * len(steady) / sum(steady)
+        res[f"{head}_median_step_s"] = statistics.median(steady)
+        ev = evaluate(t.model, t.data.val, batch_size=train_cfg.batch_size, max_tokens=train_cfg.eval_tokens,
+                      device=t.device, autocast=t.autocast)
+        res[f"val_loss_{head}"] = ev["val_loss"]
+        if head == "prism":
+            res |= {k: ev[k] for k in ("R1bar", "R2", "rec", "effective_prototypes", "dead_prototypes",
+                                        "top10_mass_share")}
+        t.last_eval = ev
+        t.save({"bench": "train_throughput"})
+    res["throughput_ratio"] = res["prism_tokens_per_s"] / res["dense_tokens_per_s"]
+    res["val_loss_ratio"] = res["val_loss_prism"] / res["val_loss_dense"]
+    K = model_cfg.n_prototypes
+    res["targets"] = {
+        "throughput_ratio>=0.95": res["throughput_ratio"] >= 0.95,
+        "val_loss_ratio<=1.05": res["val_loss_ratio"] <= 1.05,
+        "R1bar>=0.9": res["R1bar"] >= 0.9,
+        "R2>=0.9": res["R2"] >= 0.9,
+        "effective_prototypes>=K/4": res["effective_prototypes"] >= K / 4,
+        "dead_prototypes==0": res["dead_prototypes"] == 0,
+    }
+    res["config"] = {"model": model_cfg.to_dict(), "train": train_cfg.to_dict(), "steps": args.steps,
+                     "tokens_per_model": tok_per_step * args.steps,
+                     "n_params_prism": trainers["prism"].model.num_params(),
+                     "n_params_dense": trainers["dense"].model.num_params()}
+    res["machine"] = {"platform": platform.platform(), "processor": platform.processor(),
+                      "torch": torch.__version__, "threads": torch.get_num_threads(),
+                      "device": str(trainers["prism"].device),
+                      "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None}
+    res["command"] = "python bench/train_throughput.py " + " ".join(sys.argv[1:] if argv is None else argv)
+    res["date"] = dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(res, indent=2))
+    print(json.dumps({k: v for k, v in res.items() if k not in ("config", "machine")}, indent=2))
+    return res
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,61 @@
+"""Shared fixtures: a tiny real-text corpus, a tiny tokenizer and tiny model configs."""
+
+from __future__ import annotations
+
+import gzip
+import json
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+from prism_tda import demo_corpus_path
+from prism_tda.model import ModelConfig, TrainConfig
+from prism_tda.model.tokenizer import train_tokenizer
+
+torch.set_num_threads(min(2, os.cpu_count() or 1))
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def pytest_collection_modifyitems(config, items):
+    if not torch.cuda.is_available():
+        skip = pytest.mark.skip(reason="needs a CUDA device")
+        for item in items:
+            if "gpu" in item.keywords:
+                item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def tiny_corpus(tmp_path_factory) -> Path:
+    """600 documents of the bundled demo corpus, as JSONL."""
+    path = tmp_path_factory.mktemp("corpus") / "tiny.jsonl"
+    with gzip.open(demo_corpus_path(), "rt") as src, open(path, "w") as dst:
+        for i, line in enumerate(src):
+            if i >= 600:
+                break
+            dst.write(line)
+    return path
+
+
+@pytest.fixture(scope="session")
+def tiny_tokenizer(tiny_corpus, tmp_path_factory) -> Path:
+    texts = [json.loads(line)["text"] for line in open(tiny_corpus)]
+    tok = train_tokenizer(texts, vocab_size=400)
+    path = tmp_path_factory.mktemp("tok") / "tokenizer.json"
+    tok.save(str(path))
+    return path
+
+
+def tiny_model_cfg(**kw) -> ModelConfig:
+    base = dict(vocab_size=400, block_size=32, n_layer=2, n_head=2, d_model=32, n_prototypes=32, top_k=4)
+    base.update(kw)
+    return ModelConfig(**base)
+
+
+def tiny_train_cfg(**kw) -> TrainConfig:
+    base = dict(batch_size=8, max_steps=20, lr=3e-3, min_lr=3e-4, warmup_steps=5, eval_every=10,
+                eval_tokens=2048, ckpt_every=10, reseed_every=5, val_fraction=0.1)
+    base.update(kw)
+    return TrainConfig(**base)
