@@ -28,7 +28,7 @@ class _Config:
             raise ConfigError(f"{where}: unknown field(s) {unknown} for {cls.__name__}")
         try:
             return cls(**data)
-        except TypeError as e:
+        except (TypeError, ConfigError) as e:
             raise ConfigError(f"{where}: {e}") from e
 
     def replace(self, **changes):
@@ -117,6 +117,7 @@ class TrainConfig(_Config):
     reseed_min_share: float = 0.1
     reseed_until: float = 0.8  # fraction of max_steps after which prototypes are left alone
     usage_ema: float = 0.9
+    proto_init: Literal["data", "random"] = "data"  # data: on token states of the untrained model
     extra: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -128,3 +129,4 @@ class TrainConfig(_Config):
         _check(self.dtype in ("auto", "fp32", "bf16"), f"train.dtype must be auto|fp32|bf16, got {self.dtype!r}")
         _check(self.reseed_every >= 0, "train.reseed_every must be >= 0")
         _check(0 <= self.usage_ema < 1, "train.usage_ema must be in [0, 1)")
+        _check(self.proto_init in ("data", "random"), f"train.proto_init must be data|random, got {self.proto_init!r}")

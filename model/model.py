@@ -96,7 +96,9 @@ class PrototypeHead(nn.Module):
         super().__init__()
         self.k = cfg.top_k
         self.act_scale = cfg.act_scale
-        self.prototypes = nn.Parameter(torch.randn(cfg.n_prototypes, cfg.d_model))  # P^T: (K, d)
+        # Unit-norm rows: with Adam, a prototype's angular step is ~ lr * sqrt(d) / ||p||, so the
+        # norm sets how fast prototypes can follow the token states (see docs/design.md).
+        self.prototypes = nn.Parameter(F.normalize(torch.randn(cfg.n_prototypes, cfg.d_model), dim=-1))  # (K, d)
 
     @property
     def n_prototypes(self) -> int:

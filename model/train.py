@@ -133,7 +133,7 @@ class Trainer:
         self.usage = torch.full((K,), 1.0 / max(K, 1), dtype=torch.float64)
         if resume_from is not None:
             self._load(resume_from)
-        elif self.model.head is not None:
+        elif self.model.head is not None and self.cfg.proto_init == "data":
             self._init_prototypes()
         self.ddp = DDP(self.model) if self.world > 1 else None
         self.fwd = self.ddp or self.model
@@ -180,7 +180,7 @@ class Trainer:
         pick = torch.randperm(z.shape[0], generator=g)[:K]
         if pick.numel() < K:
             pick = torch.randint(0, z.shape[0], (K,), generator=g)
-        head.prototypes.copy_(z[pick.to(z.device)])
+        head.prototypes.copy_(torch.nn.functional.normalize(z[pick.to(z.device)], dim=-1))
 
     # ------------------------------------------------------------------------ train step
     def forward_backward(self, step: int) -> dict[str, float]:
@@ -248,7 +248,7 @@ class Trainer:
             P = head.prototypes.data
             live = torch.ones(K, dtype=torch.bool)
             live[idle] = False
-            scale = P[live.to(P.device)].norm(dim=-1).mean() if live.any() else z.norm(dim=-1).mean()
+            scale = P[live.to(P.device)].norm(dim=-1).mean() if live.any() else 1.0
             P[idle.to(P.device)] = torch.nn.functional.normalize(z[cand], dim=-1) * scale
         if self.world > 1:
             dist.broadcast(head.prototypes.data, 0)

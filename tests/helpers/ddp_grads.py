@@ -1,0 +1,18 @@
+"""Run under torchrun: one DDP forward/backward of step 0; rank 0 saves the gradients."""
+
+import sys
+
+import torch.distributed as dist
+from safetensors.torch import save_file
+
+from prism_tda.model.train import Trainer
+from tests.conftest import tiny_model_cfg, tiny_train_cfg
+
+corpus, tokenizer, out_dir, out_file = sys.argv[1:5]
+t = Trainer(tiny_model_cfg(), tiny_train_cfg(grad_accum=1), [corpus], out_dir, tokenizer_path=tokenizer,
+            progress=False).setup()
+t.optimizer.zero_grad()
+t.forward_backward(0)
+if dist.get_rank() == 0:
+    save_file({n: p.grad.contiguous() for n, p in t.model.named_parameters()}, out_file)
+t.close()

@@ -1,0 +1,51 @@
+"""The `prism` command line, used the way a person would."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from prism_tda.cli import build_configs, main
+
+
+@pytest.mark.parametrize("cmd", [[], ["train"], ["generate"], ["demo"]])
+def test_help(cmd):
+    proc = subprocess.run([sys.executable, "-m", "prism_tda.cli", *cmd, "--help"], capture_output=True, text=True)
+    assert proc.returncode == 0 and "usage: prism" in proc.stdout
+
+
+def test_config_overrides_and_errors(tmp_path):
+    m, t = build_configs("tiny", None, ["model.d_model=64", "train.max_steps=7"], head="dense")
+    assert (m.d_model, t.max_steps, m.head) == (64, 7, "dense")
+    cfg = tmp_path / "c.json"
+    cfg.write_text(json.dumps({"model": {"n_layer": 3}}))
+    m, _ = build_configs("tiny", str(cfg), [])
+    assert m.n_layer == 3
+    from prism_tda.errors import ConfigError
+
+    for bad in (["model.nope=1"], ["d_model=3"], ["model.d_model=30"]):
+        with pytest.raises(ConfigError):
+            build_configs("tiny", None, bad)
+
+
+def test_train_then_generate(tmp_path, tiny_corpus, tiny_tokenizer, capsys):
+    sets = ["model.vocab_size=400", "model.block_size=32", "model.n_layer=1", "model.n_head=2", "model.d_model=32",
+            "model.n_prototypes=16", "model.top_k=4", "train.max_steps=4", "train.batch_size=4",
+            "train.eval_tokens=512", "train.eval_every=2"]
+    args = ["train", "--corpus", str(tiny_corpus), "--out", str(tmp_path / "run"), "--tokenizer",
+            str(tiny_tokenizer), "--no-progress"]
+    for s in sets:
+        args += ["--set", s]
+    assert main(args) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["checkpoint"].endswith("step_0000004") and out["val_loss"] > 0
+    assert main(["generate", "--checkpoint", str(tmp_path / "run"), "--prompt", "The", "--max-new-tokens", "5",
+                 "--json"]) == 0
+    gen = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert gen["prompt"] == "The" and isinstance(gen["completion"], str)
+    # a bad checkpoint path is a clean error, exit code 2
+    assert main(["generate", "--checkpoint", str(tmp_path / "missing"), "--prompt", "x"]) == 2
+    assert "no such checkpoint" in capsys.readouterr().err
