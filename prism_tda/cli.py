@@ -120,6 +120,32 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_index(args: argparse.Namespace) -> int:
+    from .indexer.config import IndexConfig
+    from .indexer.estimate import estimate, format_estimate
+    from .indexer.run import Indexer
+
+    overrides: dict[str, Any] = {}
+    if args.config:
+        overrides.update(json.loads(Path(args.config).read_text()).get("index", {}))
+    for item in args.set:
+        key, sep, raw = item.partition("=")
+        if not sep or not key.startswith("index."):
+            from .errors import ConfigError
+
+            raise ConfigError(f"--set {item!r}: expected index.NAME=VALUE")
+        overrides[key[len("index."):]] = _parse_value(raw)
+    cfg = IndexConfig.from_dict(overrides, where="index config")
+    ix = Indexer(args.checkpoint, args.corpus or [demo_corpus_path()], args.out, cfg, progress=not args.no_progress)
+    if args.dry_run:
+        est = estimate(ix)
+        print(json.dumps(est, indent=2) if args.json else format_estimate(est))
+        return 0
+    summary = ix.run(workers=args.workers, ray_address=args.ray_address)
+    print(json.dumps(summary, indent=2))
+    return 0
+
+
 DEMO_PROMPTS = ["The only way to", "A computer", "Love is", "Never trust"]
 
 
@@ -186,6 +212,24 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--json", action="store_true", help="one JSON object per prompt")
     g.set_defaults(fn=cmd_generate)
+
+    ix = sub.add_parser("index", help="index a training corpus with a PRISM checkpoint",
+                        description="Run a PRISM model over its training corpus and write the activation "
+                                    "store (Parquet), curvature statistics and a FAISS index. Re-running "
+                                    "resumes a partial index.")
+    ix.add_argument("--checkpoint", required=True, help="checkpoint or run directory")
+    ix.add_argument("--corpus", nargs="+", help="JSONL(.gz), Parquet or .txt folders (default: the demo corpus)")
+    ix.add_argument("--out", required=True, help="index directory")
+    ix.add_argument("--config", help="JSON file with an 'index' section")
+    ix.add_argument("--set", action="append", default=[], metavar="index.NAME=VALUE",
+                    help="override one field of the index config, e.g. --set index.embed_dim=128")
+    where = ix.add_mutually_exclusive_group()
+    where.add_argument("--workers", type=int, help="run the forward stage on a local Ray cluster of N workers")
+    where.add_argument("--ray-address", help="run the forward stage on this Ray cluster (e.g. ray://head:10001)")
+    ix.add_argument("--dry-run", action="store_true", help="print estimated disk, memory and time; write nothing")
+    ix.add_argument("--json", action="store_true", help="with --dry-run: print JSON")
+    ix.add_argument("--no-progress", action="store_true")
+    ix.set_defaults(fn=cmd_index)
 
     d = sub.add_parser("demo", help="the main job: train the tiny demo model on the bundled corpus",
                        description="Train (or reuse) a tiny PRISM model on the bundled demo corpus and "

@@ -1,0 +1,116 @@
+"""Indexer throughput against the model's bare forward pass, bytes per token, and scaling.
+
+The bare forward pass (``model(x)``: backbone + logits, no autograd) runs on exactly the batches
+the indexer runs, in the same process, so ``throughput_ratio`` says how close indexing comes to
+the physical limit. The whole job (planning, curvature basis, forward stage, reduce, embeddings,
+FAISS, tables) is then timed at 1x, 4x and 16x the corpus size.
+
+    prism demo   # or any PRISM checkpoint
+    python bench/index_throughput.py --checkpoint runs/demo --docs 1000
+
+Writes ``bench/results/index.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import gzip
+import json
+import platform
+import shutil
+import sys
+import time
+from pathlib import Path
+
+import pyarrow.parquet as pq
+import torch
+
+from prism_tda import demo_corpus_path
+from prism_tda.indexer import IndexConfig
+from prism_tda.indexer.run import build_index
+from prism_tda.model import checkpoint as ckpt
+
+
+def make_corpus(path: Path, n_docs: int) -> Path:
+    """The first n_docs of the demo corpus, cycled with new ids when n_docs exceeds it."""
+    with gzip.open(demo_corpus_path(), "rt") as fh:
+        docs = [json.loads(line) for line in fh]
+    with open(path, "w") as out:
+        for i in range(n_docs):
+            d = dict(docs[i % len(docs)])
+            d["id"] = f"{d['id']}#{i // len(docs)}"
+            out.write(json.dumps(d) + "\n")
+    return path
+
+
+@torch.no_grad()
+def bare_forward_tokens_per_s(checkpoint: str, index_dir: Path, batch_size: int) -> float:
+    model, _, _ = ckpt.load_checkpoint(checkpoint)
+    seqs = pq.read_table(sorted((index_dir / "sequences").glob("part-*.parquet")), columns=["token_ids"])
+    rows = seqs["token_ids"].to_pylist()
+    n_tok = 0
+    t0 = time.perf_counter()
+    for b in range(0, len(rows), batch_size):
+        batch = rows[b : b + batch_size]
+        T = max(len(r) for r in batch)
+        x = torch.zeros(len(batch), T, dtype=torch.long)
+        for i, r in enumerate(batch):
+            x[i, : len(r)] = torch.as_tensor(r)
+        model(x)
+        n_tok += sum(len(r) for r in batch)
+    return n_tok / (time.perf_counter() - t0)
+
+
+def main(argv: list[str] | None = None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--checkpoint", default="runs/demo")
+    ap.add_argument("--docs", type=int, default=1000, help="documents at 1x")
+    ap.add_argument("--scales", default="1,4,16")
+    ap.add_argument("--work", default="runs/bench_index")
+    ap.add_argument("--out", default="bench/results/index.json")
+    args = ap.parse_args(argv)
+    work = Path(args.work)
+    shutil.rmtree(work, ignore_errors=True)
+    work.mkdir(parents=True)
+    cfg = IndexConfig()
+    res: dict = {"scaling": []}
+    for scale in [int(s) for s in args.scales.split(",")]:
+        corpus = make_corpus(work / f"corpus_{scale}x.jsonl", args.docs * scale)
+        out = work / f"index_{scale}x"
+        t0 = time.perf_counter()
+        s = build_index(args.checkpoint, [str(corpus)], out, cfg, progress=False)
+        wall = time.perf_counter() - t0
+        res["scaling"].append({"scale": scale, "documents": s["documents"], "tokens": s["tokens"],
+                               "wall_s": round(wall, 2), "seconds_per_million_tokens": wall / s["tokens"] * 1e6,
+                               "timings": s["timings"]})
+        if scale == 1:
+            fwd = bare_forward_tokens_per_s(args.checkpoint, out, cfg.batch_size)
+            res |= {
+                "forward_tokens_per_s": fwd,
+                "index_tokens_per_s": s["tokens"] / wall,
+                "index_forward_stage_tokens_per_s": s["tokens"] / s["timings"]["forward_s"],
+                "throughput_ratio": s["tokens"] / wall / fwd,
+                "forward_stage_ratio": s["tokens"] / s["timings"]["forward_s"] / fwd,
+                "activation_bytes_per_token": s["activation_bytes_per_token"],
+                "total_bytes_per_token": s["total_bytes_per_token"],
+                "bytes_per_token_by_table": {k: v / s["tokens"] for k, v in s["bytes"].items()},
+                "estimate_vs_actual": s["estimate_vs_actual"],
+                "grounding": {k: s[k] for k in ("R1bar", "R2", "effective_prototypes", "dead_prototypes")},
+            }
+    base = res["scaling"][0]["seconds_per_million_tokens"]
+    for row in res["scaling"]:
+        row["cost_per_token_vs_1x"] = round(row["seconds_per_million_tokens"] / base, 3)
+    model_cfg = ckpt.read_config(ckpt.resolve(args.checkpoint))["model"]
+    res["config"] = {"index": cfg.to_dict(), "model": model_cfg, "checkpoint": args.checkpoint}
+    res["machine"] = {"platform": platform.platform(), "torch": torch.__version__, "threads": torch.get_num_threads()}
+    res["command"] = "python bench/index_throughput.py " + " ".join(sys.argv[1:] if argv is None else argv)
+    res["date"] = dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(res, indent=2))
+    print(json.dumps({k: v for k, v in res.items() if k not in ("config", "machine")}, indent=2))
+    return res
+
+
+if __name__ == "__main__":
+    main()

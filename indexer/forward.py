@@ -1,0 +1,173 @@
+"""The per-token quantities of DESIGN §2 from one forward pass, and one shard's worth of them.
+
+For every token t with next-token target y_t: the active prototypes and activations a_t, and the
+error signal ``u_t = W^T (softmax(l_t) - onehot(y_t))``. Holding the residual and activations
+fixed, ``a_{t,i} u_t`` is the gradient of token t's loss with respect to prototype i.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import torch
+import torch.nn.functional as F
+from safetensors.torch import save as st_save
+
+from prism_tda.model import PRISM
+
+from .store import atomic_write_bytes, part_name, write_table
+
+
+@dataclass
+class TokenBatch:
+    """Flattened valid tokens of a padded batch."""
+
+    row: torch.Tensor  # (N,) sequence index within the batch
+    pos: torch.Tensor  # (N,) position within the sequence
+    token_ids: torch.Tensor  # (N,)
+    targets: torch.Tensor  # (N,)
+    proto_idx: torch.Tensor  # (N, k)
+    acts: torch.Tensor  # (N, k)
+    u: torch.Tensor  # (N, d) W^T delta_t
+    loss: torch.Tensor  # (N,) next-token cross-entropy
+    top_cos: torch.Tensor  # (N,) max_i cos(z_t, p_i)
+    proto_max_cos: torch.Tensor  # (K,) max_t cos(p_i, z_t) over this batch
+
+
+@torch.no_grad()
+def run_batch(
+    model: PRISM, tokens: list[list[int]], targets: list[list[int]], *,
+    device: torch.device | str = "cpu", autocast: contextlib.AbstractContextManager | None = None,
+) -> TokenBatch:
+    """One forward pass over right-padded sequences (causal, so padding never leaks backwards)."""
+    assert model.head is not None, "the indexer needs a PRISM model, not the dense baseline"
+    B, T = len(tokens), max(len(t) for t in tokens)
+    x = torch.zeros(B, T, dtype=torch.long)
+    y = torch.zeros(B, T, dtype=torch.long)
+    mask = torch.zeros(B, T, dtype=torch.bool)
+    for b, (tk, tg) in enumerate(zip(tokens, targets, strict=True)):
+        x[b, : len(tk)] = torch.as_tensor(tk)
+        y[b, : len(tg)] = torch.as_tensor(tg)
+        mask[b, : len(tk)] = True
+    x, y, mask = x.to(device), y.to(device), mask.to(device)
+    with autocast or contextlib.nullcontext():
+        z = model.hidden(x)  # (B, T, d)
+    rows, pos = mask.nonzero(as_tuple=True)
+    zv = z[rows, pos].float()  # (N, d)
+    yv = y[rows, pos]
+    h = model.head(zv)
+    W = model.W.float()
+    logits = zv @ W.T  # (N, V)
+    loss = F.cross_entropy(logits, yv, reduction="none")
+    delta = torch.softmax(logits, dim=-1)
+    delta[torch.arange(len(yv), device=delta.device), yv] -= 1.0  # softmax - onehot
+    u = delta @ W  # (N, d)
+    sim = model.head.similarities(zv)
+    return TokenBatch(rows, pos, x[rows, pos], yv, h.proto_idx, h.acts, u, loss, sim.amax(1), sim.amax(0))
+
+
+class ShardStats:
+    """Additive (and one max-merged) statistics of a set of tokens, in the eigenbasis Q."""
+
+    def __init__(self, K: int, d: int, u_dim: int) -> None:
+        self.S = torch.zeros(d, d, dtype=torch.float64)  # sum_t u_t u_t^T
+        self.lam = torch.zeros(K, u_dim, dtype=torch.float64)  # sum_t a_{t,i}^2 (Q^T u_t)^2
+        self.count = torch.zeros(K, dtype=torch.float64)  # tokens where i is active (a > 0)
+        self.mass = torch.zeros(K, dtype=torch.float64)  # sum_t a_{t,i}
+        self.max_cos = torch.full((K,), -1.0, dtype=torch.float64)  # max-merged
+        self.scalars = torch.zeros(3, dtype=torch.float64)  # n_tokens, sum loss, sum top cos
+
+    def add(self, tb: TokenBatch, ut: torch.Tensor) -> None:
+        u = tb.u.double()
+        self.S += u.T @ u
+        a = tb.acts.double()
+        idx = tb.proto_idx.reshape(-1)
+        k = tb.acts.shape[1]
+        sq = ut.double().pow(2)  # (N, u_dim)
+        for j in range(k):  # k small: avoids an (N k, u_dim) temporary
+            self.lam.index_add_(0, tb.proto_idx[:, j], a[:, j : j + 1].pow(2) * sq)
+        self.count.index_add_(0, idx, (a.reshape(-1) > 0).double())
+        self.mass.index_add_(0, idx, a.reshape(-1))
+        self.max_cos = torch.maximum(self.max_cos, tb.proto_max_cos.double().cpu())
+        self.scalars += torch.tensor([len(tb.u), float(tb.loss.sum()), float(tb.top_cos.sum())], dtype=torch.float64)
+
+    def merge(self, other: ShardStats) -> None:
+        for name in ("S", "lam", "count", "mass", "scalars"):
+            getattr(self, name).add_(getattr(other, name))
+        self.max_cos = torch.maximum(self.max_cos, other.max_cos)
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        return {k: getattr(self, k) for k in ("S", "lam", "count", "mass", "max_cos", "scalars")}
+
+    @classmethod
+    def from_tensors(cls, t: dict[str, torch.Tensor]) -> ShardStats:
+        self = cls.__new__(cls)
+        for k, v in t.items():
+            setattr(self, k, v.double())
+        return self
+
+
+class ShardProcessor:
+    """Runs the model over one shard's sequences and writes its parts (activations, token_grads, stats)."""
+
+    def __init__(self, model: PRISM, Q: torch.Tensor, u_dim: int, schemas: dict[str, pa.Schema], *,
+                 batch_size: int, device: torch.device | str = "cpu",
+                 autocast: contextlib.AbstractContextManager | None = None) -> None:
+        self.model, self.Q, self.u_dim = model, Q.float(), u_dim
+        self.schemas, self.batch_size, self.device, self.autocast = schemas, batch_size, device, autocast
+
+    def process(self, out: Path, shard: int, on_tokens=None) -> dict:
+        seqs = pq.read_table(out / "sequences" / part_name(shard)).to_pydict()
+        K, d = self.model.cfg.n_prototypes, self.model.cfg.d_model
+        stats = ShardStats(K, d, self.u_dim)
+        act_cols: dict[str, list[np.ndarray]] = {k: [] for k in self.schemas["activations"].names}
+        grad_seq, grad_pos, grad_u = [], [], []
+        n = len(seqs["seq_id"])
+        for b0 in range(0, n, self.batch_size):
+            sl = slice(b0, min(b0 + self.batch_size, n))
+            tb = run_batch(self.model, seqs["token_ids"][sl], seqs["target_ids"][sl], device=self.device,
+                           autocast=self.autocast)
+            ut = (tb.u @ self.Q.to(tb.u.device))[:, : self.u_dim]  # (N, u_dim) Q^T u_t
+            stats.add(tb, ut.cpu())
+            seq_ids = torch.as_tensor(seqs["seq_id"][sl])[tb.row.cpu()]
+            doc_ids = torch.as_tensor(seqs["doc_id"][sl])[tb.row.cpu()]
+            keep = tb.acts.cpu() > 0  # (N, k): only active prototypes get a row
+            k = keep.shape[1]
+            act_cols["seq_id"].append(seq_ids[:, None].expand(-1, k)[keep].numpy().astype(np.int32))
+            act_cols["pos"].append(tb.pos.cpu()[:, None].expand(-1, k)[keep].numpy().astype(np.int16))
+            act_cols["token_id"].append(tb.token_ids.cpu()[:, None].expand(-1, k)[keep].numpy())
+            # within a token, rows ordered by prototype id (compresses better than by similarity)
+            pid, order = tb.proto_idx.cpu().sort(dim=1)
+            act_cols["proto_id"].append(pid[keep.gather(1, order)].numpy())
+            act_cols["act"].append(tb.acts.cpu().gather(1, order)[keep.gather(1, order)].numpy().astype(np.float16))
+            act_cols["doc_id"].append(doc_ids[:, None].expand(-1, k)[keep].numpy().astype(np.int32))
+            grad_seq.append(seq_ids.numpy().astype(np.int32))
+            grad_pos.append(tb.pos.cpu().numpy().astype(np.int16))
+            grad_u.append(ut.cpu().numpy().astype(np.float16))
+            if on_tokens is not None:
+                on_tokens(len(tb.u))
+        sch = self.schemas["activations"]
+        acts = pa.Table.from_arrays(
+            [pa.array(np.concatenate(act_cols[f.name]) if act_cols[f.name] else [], type=f.type) for f in sch],
+            schema=sch,
+        )
+        u = np.concatenate(grad_u) if grad_u else np.zeros((0, self.u_dim), np.float16)
+        grads = pa.Table.from_arrays([
+            pa.array(np.concatenate(grad_seq) if grad_seq else [], pa.int32()),
+            pa.array(np.concatenate(grad_pos) if grad_pos else [], pa.int16()),
+            pa.FixedSizeListArray.from_arrays(pa.array(u.reshape(-1), pa.float16()), self.u_dim),
+        ], schema=self.schemas["token_grads"])
+        sizes = {
+            "activations": write_table(out / "activations" / part_name(shard), acts,
+                                       use_dictionary=["seq_id", "pos", "token_id", "doc_id"]),
+            "token_grads": write_table(out / "token_grads" / part_name(shard), grads, use_dictionary=False),
+        }
+        blob = st_save({k: v.contiguous() for k, v in stats.tensors().items()})
+        atomic_write_bytes(out / "stats" / part_name(shard, "safetensors"), blob)
+        return {"activation_rows": acts.num_rows, "tokens": int(stats.scalars[0]), "bytes": sizes}
+
