@@ -122,13 +122,13 @@ class PrototypeHead(nn.Module):
 
     def _forward(self, z: torch.Tensor, with_losses: bool) -> HeadOutput:
         P = self.prototypes.float()
-        sim = self.similarities(z)  # (N, K), no grad
-        top_s, top_i = sim.topk(self.k, dim=-1)  # (N, k)
+        zn = F.normalize(z, dim=-1)  # (N, d)
+        pn = F.normalize(P, dim=-1)  # (K, d)
+        with torch.no_grad():
+            sim = zn.detach() @ pn.detach().T  # (N, K) cosines, no autograd
+            top_s, top_i = sim.topk(self.k, dim=-1)  # (N, k)
 
         # The selected cosines get gradients through sparse products: O(N k d), no (N, K) tensor.
-        inv_pnorm = 1.0 / P.norm(dim=-1).clamp_min(_EPS)  # (K,)
-        zn = F.normalize(z, dim=-1)  # (N, d)
-        pn = P * inv_pnorm.unsqueeze(-1)  # (K, d)
         cos = gather_dot(zn, pn, top_i, top_s)  # (N, k), equal to top_s, differentiable
         s = cos.clamp_min(0.0)  # ReLU
         m = sparse_mix(s, P, top_i)  # (N, d) mixture sum_i s_i p_i
@@ -152,7 +152,7 @@ class PrototypeHead(nn.Module):
         # L_R2: each token state and its nearest prototype pulled together.
         out.losses["r2"] = 1.0 - cos[:, 0].mean()
         with torch.no_grad():
-            out.metrics["R1bar"] = sim.amax(dim=0).mean()
+            out.metrics["R1bar"] = sim[near_t, torch.arange(len(near_t), device=sim.device)].mean()
             out.metrics["R2"] = top_s[:, 0].mean()
             out.mass = torch.zeros(self.n_prototypes, device=z.device).index_add_(
                 0, top_i.reshape(-1), acts.detach().reshape(-1)

@@ -22,7 +22,7 @@ PRESETS: dict[str, dict[str, dict[str, Any]]] = {
     "tiny": {
         "model": {"vocab_size": 4096, "block_size": 128, "n_layer": 4, "n_head": 4, "d_model": 128,
                   "n_prototypes": 512, "top_k": 8},
-        "train": {"batch_size": 16, "max_steps": 1500, "lr": 2e-3, "min_lr": 2e-4, "warmup_steps": 50,
+        "train": {"batch_size": 16, "max_steps": 1000, "lr": 2e-3, "min_lr": 2e-4, "warmup_steps": 50,
                   "eval_every": 250, "ckpt_every": 250, "eval_tokens": 32768},
     },
     # The benchmark model of bench/train_throughput.py (d=256, K=1024, k=8).
@@ -150,7 +150,8 @@ DEMO_PROMPTS = ["The only way to", "A computer", "Love is", "Never trust"]
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
-    """Train (or reuse) the tiny demo model on the bundled corpus and show what it writes."""
+    """Train (or reuse) the tiny demo model on the bundled corpus, index the corpus, show samples."""
+    from .indexer.run import build_index
     from .model import checkpoint as ckpt
     from .model.train import Trainer
 
@@ -172,11 +173,18 @@ def cmd_demo(args: argparse.Namespace) -> int:
         trainer.fit()
     ckpt_path = ckpt.resolve(out)
     training = ckpt.read_config(ckpt_path)["training"]
-    summary = {"checkpoint": str(ckpt_path), "seconds": round(time.perf_counter() - t0, 1),
-               **{k: training.get("eval", {}).get(k) for k in ("val_loss", "R1bar", "R2", "effective_prototypes",
-                                                              "dead_prototypes")}}
+    t_train = time.perf_counter() - t0
+    index = build_index(ckpt_path, [demo_corpus_path()], out / "index", progress=not args.no_progress)
+    summary = {
+        "checkpoint": str(ckpt_path), "index": str(out / "index"),
+        "train_seconds": round(t_train, 1), "total_seconds": round(time.perf_counter() - t0, 1),
+        "model": {k: training.get("eval", {}).get(k) for k in ("val_loss", "R1bar", "R2", "effective_prototypes",
+                                                              "dead_prototypes")},
+        "index_summary": {k: index[k] for k in ("documents", "sequences", "tokens", "activation_rows",
+                                                "bad_records", "total_bytes")},
+    }
     print(json.dumps(summary, indent=2))
-    for prompt, text in zip(DEMO_PROMPTS, _generate(str(ckpt_path), DEMO_PROMPTS, 40, 0.0, None, 0)):
+    for prompt, text in zip(DEMO_PROMPTS, _generate(str(ckpt_path), DEMO_PROMPTS, 40, 0.8, 40, 0)):
         print(f"\n>>> {prompt}{text}")
     return 0
 
@@ -231,9 +239,9 @@ def build_parser() -> argparse.ArgumentParser:
     ix.add_argument("--no-progress", action="store_true")
     ix.set_defaults(fn=cmd_index)
 
-    d = sub.add_parser("demo", help="the main job: train the tiny demo model on the bundled corpus",
-                       description="Train (or reuse) a tiny PRISM model on the bundled demo corpus and "
-                                   "print sample generations.")
+    d = sub.add_parser("demo", help="the main job: train the tiny demo model and index the bundled corpus",
+                       description="Train (or reuse) a tiny PRISM model on the bundled demo corpus, index "
+                                   "the corpus with it, and print sample generations.")
     d.add_argument("--out", default="runs/demo", help="run directory (default: runs/demo)")
     d.add_argument("--set", action="append", default=[], metavar="SECTION.NAME=VALUE")
     d.add_argument("--no-progress", action="store_true")
