@@ -1,0 +1,234 @@
+"""Attribution engine: which training documents drove an output (DESIGN §2).
+
+One forward pass over the query gives its prototype-space gradient
+``G(q) = sum_{t in targets} (Q^T u_t) a_t^T``. A training token t scores
+
+    s_t = sum_{i in K_t} a_{t,i} (G_i(q) / (lambda_i + lam)) . (Q^T u_t)
+
+(the prototype-space influence of that token under the EK-FAC-style local curvature), normalised
+to a cosine by ``sqrt(I(q, q) I(t, t))``; a document scores the max over its tokens. The exact
+path scores every training token that shares a prototype with the query (posting lists by
+prototype); the fast path asks FAISS for candidate sequences with the per-sequence embeddings and
+re-ranks only their tokens, exactly. Nothing on either path runs the model over training data.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pyarrow.parquet as pq
+import torch
+
+from .errors import PrismError
+from .indexer import store
+from .indexer.config import IndexConfig
+from .indexer.curvature import Curvature
+from .indexer.embed import Sketch, normalise, open_faiss
+from .indexer.forward import run_batch
+from .model import checkpoint as ckpt
+from .model.tokenizer import eos_id
+
+
+class QueryError(PrismError, ValueError):
+    """A query is empty, too long, or asks for a target that does not exist."""
+
+
+@dataclass
+class Query:
+    token_ids: list[int]  # prompt + target, as run through the model
+    n_prompt: int
+    target_positions: list[int]  # positions whose next token is a target token
+    target_ids: list[int]
+    G: torch.Tensor  # (K, u_dim) prototype-space gradient in the Q basis
+    self_influence: float  # I(q, q)
+    per_token: list[dict[str, Any]] = field(default_factory=list)
+
+
+class Attributor:
+    """Opens an index (and the checkpoint it was built from) and answers attribution queries."""
+
+    def __init__(self, index_dir: str | Path, *, checkpoint: str | Path | None = None) -> None:
+        self.dir = Path(index_dir)
+        m = store.read_manifest(self.dir)
+        if m is None or not m.get("complete"):
+            raise PrismError(f"{self.dir}: not a complete index (manifest.json missing or incomplete)")
+        self.manifest = m
+        self.cfg = IndexConfig.from_dict(m["config"])
+        self.model, self.tokenizer, ck_config = ckpt.load_checkpoint(checkpoint or m["checkpoint"])
+        if ck_config["files"]["model.safetensors"] != m["identity"]["checkpoint_sha256"]:
+            raise PrismError(f"{self.dir}: index was built from another checkpoint than {checkpoint or m['checkpoint']}")
+        self.curv = Curvature.load(self.dir / "curvature.safetensors")
+        self.inv = self.curv.inv()  # (K, u_dim)
+        mc = self.model.cfg
+        self.sketch = Sketch(mc.n_prototypes, self.curv.u_dim, self.cfg.embed_dim, self.cfg.sketch_buckets,
+                             self.cfg.seed)
+        self.faiss = open_faiss(self.dir)
+        self._load_tokens()
+
+    @classmethod
+    def open(cls, index_dir: str | Path, **kw) -> Attributor:
+        return cls(index_dir, **kw)
+
+    # --------------------------------------------------------------------------- loading
+    def _load_tokens(self) -> None:
+        t0 = time.perf_counter()
+        parts = sorted((self.dir / "token_grads").glob("part-*.parquet"))
+        grads = pq.read_table(parts)
+        self.n_tokens = grads.num_rows
+        self.u = np.asarray(grads["u"].combine_chunks().flatten().to_numpy(zero_copy_only=False),
+                            dtype=np.float16).reshape(self.n_tokens, -1)
+        tok_seq = grads["seq_id"].to_numpy().astype(np.int64)
+        tok_key = tok_seq * 65536 + grads["pos"].to_numpy()
+        seqs = pq.read_table(sorted((self.dir / "sequences").glob("part-*.parquet")),
+                             columns=["seq_id", "doc_id", "start_token", "n_tokens"])
+        self.seq_doc = seqs["doc_id"].to_numpy()
+        self.seq_start_token = seqs["start_token"].to_numpy()
+        n_seq = len(self.seq_doc)
+        self.seq_tok0 = np.zeros(n_seq + 1, dtype=np.int64)  # token rows of sequence s: [tok0[s], tok0[s+1])
+        np.cumsum(seqs["n_tokens"].to_numpy(), out=self.seq_tok0[1:])
+        self.tok_seq = tok_seq
+        acts = pq.read_table(sorted((self.dir / "activations").glob("part-*.parquet")),
+                             columns=["seq_id", "pos", "proto_id", "act"])
+        a_key = acts["seq_id"].to_numpy().astype(np.int64) * 65536 + acts["pos"].to_numpy()
+        self.row_tok = np.searchsorted(tok_key, a_key)  # activation row -> token row
+        self.row_proto = acts["proto_id"].to_numpy().astype(np.int64)
+        self.row_act = acts["act"].to_numpy().astype(np.float32)
+        self.seq_row0 = np.searchsorted(self.row_tok, self.seq_tok0)  # activation rows of each sequence
+        # posting lists: activation rows grouped by prototype
+        order = np.argsort(self.row_proto, kind="stable")
+        self.post_rows = order
+        K = self.model.cfg.n_prototypes
+        self.post_start = np.searchsorted(self.row_proto[order], np.arange(K + 1))
+        # I(t, t) for every training token: sum_i a^2 sum_j u_j^2 / (lam_ij + lam)
+        self.tok_self = np.zeros(self.n_tokens, dtype=np.float64)
+        inv = self.inv.numpy()
+        for c in range(0, len(self.row_tok), 1 << 18):
+            sl = slice(c, c + (1 << 18))
+            u = self.u[self.row_tok[sl]].astype(np.float32)
+            val = self.row_act[sl] ** 2 * np.einsum("rj,rj->r", u * u, inv[self.row_proto[sl]])
+            np.add.at(self.tok_self, self.row_tok[sl], val)
+        self.load_seconds = time.perf_counter() - t0
+
+    # --------------------------------------------------------------------------- queries
+    def encode_query(self, prompt: str, completion: str | None = None, *, max_new_tokens: int | None = None,
+                     target_index: int | None = None) -> Query:
+        tok, model = self.tokenizer, self.model
+        block = model.cfg.block_size
+        p_ids = tok.encode(prompt).ids if prompt else []
+        if not p_ids:
+            raise QueryError("prompt is empty")
+        if completion is not None:
+            c_ids = tok.encode(completion).ids
+            if not c_ids:
+                raise QueryError("completion is empty")
+        elif max_new_tokens:
+            x = torch.tensor([p_ids[-block:]])
+            y = model.generate(x, max_new_tokens, stop_token=eos_id(tok))
+            c_ids = y[0, x.shape[1]:].tolist()
+        else:
+            c_ids = []
+        ids = p_ids + c_ids
+        if len(ids) > block + 1:
+            raise QueryError(f"prompt + completion is {len(ids)} tokens; the model's context is {block}")
+        if c_ids:
+            positions = list(range(len(p_ids) - 1, len(ids) - 1))
+        else:  # no target: the prompt's own next-token predictions
+            positions = list(range(len(ids) - 1)) or [0]
+            if len(ids) == 1:
+                ids = ids + [eos_id(tok)]
+        if target_index is not None:
+            if not 0 <= target_index < len(positions):
+                raise QueryError(f"target_index {target_index} out of range [0, {len(positions)})")
+            positions = [positions[target_index]]
+        inp, tgt = ids[:-1], ids[1:]
+        tb = run_batch(model, [inp], [tgt])
+        sel = torch.tensor(positions)
+        ut = (tb.u[sel] @ self.curv.Q)[:, : self.curv.u_dim]  # (n, u_dim)
+        a, idx = tb.acts[sel], tb.proto_idx[sel]
+        K = model.cfg.n_prototypes
+        G = torch.zeros(K, self.curv.u_dim)
+        for j in range(idx.shape[1]):
+            G.index_add_(0, idx[:, j], a[:, j : j + 1] * ut)
+        self_inf = float((G * G * self.inv).sum())
+        q = Query(ids, len(p_ids), positions, [tgt[p] for p in positions], G, self_inf)
+        q.per_token = self._per_token(ids, positions, [tgt[p] for p in positions])
+        return q
+
+    def _per_token(self, ids: list[int], positions: list[int], targets: list[int]) -> list[dict[str, Any]]:
+        d = self.model.decompose(torch.tensor(ids[:-1]), positions=torch.tensor(positions),
+                                 tokens=torch.tensor(targets))
+        out = []
+        for n, (pos, y) in enumerate(zip(positions, targets, strict=True)):
+            protos = [{"proto_id": int(p), "act": float(a), "contribution": float(c)}
+                      for p, a, c in zip(d.proto_idx[n], d.acts[n], d.contrib[n], strict=True) if a > 0]
+            out.append({"position": pos, "token_id": y, "token": self.tokenizer.decode([y]),
+                        "logit": float(d.logit[n]), "residual": float(d.residual[n]), "prototypes": protos})
+        return out
+
+    # --------------------------------------------------------------------------- scoring
+    def _score_rows(self, q: Query, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(token rows, summed influence) for the given activation rows."""
+        Wq = (q.G * self.inv).numpy()  # (K, u_dim) preconditioned query columns
+        tok = self.row_tok[rows]
+        u = self.u[tok].astype(np.float32)
+        val = self.row_act[rows] * np.einsum("rj,rj->r", u, Wq[self.row_proto[rows]])
+        uniq, inv_idx = np.unique(tok, return_inverse=True)
+        score = np.zeros(len(uniq))
+        np.add.at(score, inv_idx, val)
+        return uniq, score
+
+    def _token_cosines(self, q: Query, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        tok, raw = self._score_rows(q, rows)
+        cos = raw / np.sqrt(max(q.self_influence, 1e-30) * np.maximum(self.tok_self[tok], 1e-30))
+        return tok, cos, raw
+
+    def query_rows(self, q: Query) -> np.ndarray:
+        """Activation rows of every training token sharing a prototype with the query."""
+        protos = (q.G.abs().sum(1) > 0).nonzero().flatten().numpy()
+        return np.concatenate([self.post_rows[self.post_start[p] : self.post_start[p + 1]] for p in protos]
+                              or [np.zeros(0, np.int64)])
+
+    def candidate_rows(self, q: Query, n_candidates: int) -> tuple[np.ndarray, np.ndarray]:
+        """FAISS candidates (sequence ids) and their activation rows."""
+        e = self.sketch.embed_rows(torch.zeros(len(q.G), dtype=torch.long), torch.arange(len(q.G)),
+                                   q.G * self.curv.inv_sqrt(), 1).numpy()
+        _, ids = self.faiss.search(normalise(e), min(n_candidates, self.faiss.ntotal))
+        seqs = np.sort(ids[0][ids[0] >= 0])
+        rows = [np.arange(self.seq_row0[s], self.seq_row0[s + 1]) for s in seqs]
+        return seqs, np.concatenate(rows or [np.zeros(0, np.int64)])
+
+    def attribute(self, prompt: str, completion: str | None = None, *, max_new_tokens: int | None = None,
+                  target_index: int | None = None, top_k: int = 10, mode: str = "fast",
+                  n_candidates: int = 256, opponents: bool = False) -> dict[str, Any]:
+        """Top training documents for one query. ``mode``: ``fast`` (FAISS + exact re-rank) or ``exact``."""
+        t0 = time.perf_counter()
+        q = self.encode_query(prompt, completion, max_new_tokens=max_new_tokens, target_index=target_index)
+        t1 = time.perf_counter()
+        if mode == "exact":
+            rows = self.query_rows(q)
+        elif mode == "fast":
+            _, rows = self.candidate_rows(q, n_candidates)
+        else:
+            raise QueryError(f"mode must be 'fast' or 'exact', got {mode!r}")
+        t2 = time.perf_counter()
+        tok, cos, raw = self._token_cosines(q, rows)
+        sign = -1.0 if opponents else 1.0
+        docs = self.seq_doc[self.tok_seq[tok]]
+        order = np.lexsort((-(sign * cos), docs))  # by doc, best token first
+        first = np.ones(len(order), dtype=bool)
+        first[1:] = docs[order][1:] != docs[order][:-1]
+        best = order[first]  # best token per document
+        best = best[np.argsort(-(sign * cos[best]), kind="stable")][:top_k]
+        t3 = time.perf_counter()
+        results = [{"doc_id": int(docs[b]), "score": float(cos[b]), "raw_influence": float(raw[b]),
+                    "seq_id": int(self.tok_seq[tok[b]]), "token_row": int(tok[b])} for b in best]
+        return {"query": {"token_ids": q.token_ids, "n_prompt": q.n_prompt, "target_ids": q.target_ids,
+                          "target_text": self.tokenizer.decode(q.target_ids)},
+                "documents": results, "per_token": q.per_token,
+                "timings_ms": {"query_forward": 1e3 * (t1 - t0), "candidates": 1e3 * (t2 - t1),
+                               "score": 1e3 * (t3 - t2), "total": 1e3 * (t3 - t0)},
+                "mode": mode, "rows_scored": int(len(rows))}
