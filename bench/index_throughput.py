@@ -88,9 +88,7 @@ def main(argv: list[str] | None = None) -> dict:
             fwd = bare_forward_tokens_per_s(args.checkpoint, out, cfg.batch_size)
             res |= {
                 "forward_tokens_per_s": fwd,
-                "index_tokens_per_s": s["tokens"] / wall,
                 "index_forward_stage_tokens_per_s": s["tokens"] / s["timings"]["forward_s"],
-                "throughput_ratio": s["tokens"] / wall / fwd,
                 "forward_stage_ratio": s["tokens"] / s["timings"]["forward_s"] / fwd,
                 "activation_bytes_per_token": s["activation_bytes_per_token"],
                 "total_bytes_per_token": s["total_bytes_per_token"],
@@ -98,6 +96,11 @@ def main(argv: list[str] | None = None) -> dict:
                 "estimate_vs_actual": s["estimate_vs_actual"],
                 "grounding": {k: s[k] for k in ("R1bar", "R2", "effective_prototypes", "dead_prototypes")},
             }
+    # Whole job (plan, basis, forward, reduce, embeddings, FAISS, tables) at the largest scale,
+    # where the fixed costs are amortised as they are on a real corpus.
+    last = res["scaling"][-1]
+    res["index_tokens_per_s"] = last["tokens"] / last["wall_s"]
+    res["throughput_ratio"] = res["index_tokens_per_s"] / res["forward_tokens_per_s"]
     base = res["scaling"][0]["seconds_per_million_tokens"]
     for row in res["scaling"]:
         row["cost_per_token_vs_1x"] = round(row["seconds_per_million_tokens"] / base, 3)

@@ -27,6 +27,9 @@ class IndexConfig(_Config):
     faiss_spec: str = "Flat"  # FAISS index_factory string (inner product); e.g. "IVF256,PQ32" when large
     faiss_train_size: int = 20000  # embeddings sampled to train a non-flat index
     seed: int = 0  # JL matrix and count-sketch hashing
+    # Activations are stored as float16 rounded to this many mantissa bits (10 = plain float16;
+    # 7 = bfloat16 precision, max relative error 2^-8), which lets zstd shrink the column.
+    act_mantissa_bits: int = 7
     dtype: str = "auto"  # auto: bf16 autocast on CUDA, fp32 on CPU
 
     def __post_init__(self) -> None:
@@ -40,6 +43,8 @@ class IndexConfig(_Config):
             raise ConfigError(f"index.u_rank must be > 0, got {self.u_rank}")
         if self.damping <= 0:
             raise ConfigError(f"index.damping must be > 0, got {self.damping}")
+        if not 1 <= self.act_mantissa_bits <= 10:
+            raise ConfigError(f"index.act_mantissa_bits must be in [1, 10], got {self.act_mantissa_bits}")
         if self.dtype not in ("auto", "fp32", "bf16"):
             raise ConfigError(f"index.dtype must be auto|fp32|bf16, got {self.dtype!r}")
 
@@ -47,4 +52,4 @@ class IndexConfig(_Config):
 # Fields whose change alters rows or statistics (batch_size, shard size and dtype on CPU do not
 # change any row; shard_documents changes file layout, so it is part of identity as well).
 IDENTITY_FIELDS = ("stride", "shard_documents", "basis_sequences", "u_rank", "damping", "embed_dim",
-                   "sketch_buckets", "faiss_spec", "seed")
+                   "sketch_buckets", "faiss_spec", "seed", "act_mantissa_bits")

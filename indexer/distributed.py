@@ -46,7 +46,8 @@ class _Worker:
         Q = load_file(str(self.out / "basis.safetensors"))["Q"]
         schemas = store.schemas(model.cfg.vocab_size, model.cfg.n_prototypes, u_dim)
         self.proc = ShardProcessor(model, Q, u_dim, schemas, batch_size=config.batch_size, device=device,
-                                   autocast=autocast_for(device, config.dtype))
+                                   autocast=autocast_for(device, config.dtype),
+                                   act_mantissa_bits=config.act_mantissa_bits)
 
     def process(self, shard: int) -> dict[str, Any]:
         return self.proc.process(self.out, shard)

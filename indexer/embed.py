@@ -33,15 +33,18 @@ class Sketch:
     def dim(self) -> int:
         return self.r * self.buckets
 
-    def embed_rows(self, group: torch.Tensor, proto: torch.Tensor, w: torch.Tensor, n_groups: int) -> torch.Tensor:
-        """Sum the preconditioned per-row gradients ``w`` (rows, u_dim) of prototype ``proto`` into
-        ``n_groups`` sketches (n_groups, B * r)."""
-        out = torch.zeros(n_groups * self.buckets, self.r)
+    def embed_rows(self, group: torch.Tensor, proto: torch.Tensor, w: torch.Tensor, n_groups: int,
+                   out: torch.Tensor | None = None) -> torch.Tensor:
+        """Add the preconditioned per-row gradients ``w`` (rows, u_dim) of prototype ``proto`` into
+        ``n_groups`` sketches (n_groups, B * r), in ``out`` when given."""
+        if out is None:
+            out = torch.zeros(n_groups, self.dim)
+        flat = out.view(n_groups * self.buckets, self.r)
         for c in range(0, len(group), ROW_CHUNK):
             sl = slice(c, c + ROW_CHUNK)
             proj = (w[sl] @ self.R) * self.sign[proto[sl]].unsqueeze(1)  # (rows, r)
-            out.index_add_(0, group[sl] * self.buckets + self.bucket[proto[sl]], proj)
-        return out.reshape(n_groups, self.dim)
+            flat.index_add_(0, group[sl] * self.buckets + self.bucket[proto[sl]], proj)
+        return out
 
 
 def normalise(e: np.ndarray) -> np.ndarray:
@@ -69,7 +72,7 @@ def shard_embeddings(index_dir: Path, shard: int, seq_start: int, n_seqs: int, c
         sl = slice(c, c + ROW_CHUNK)
         p = proto[sl]
         w = a[sl, None] * u[torch.from_numpy(row[sl])] * scale[p]  # (rows, u_dim)
-        out += sketch.embed_rows(group[sl], p, w, n_seqs)
+        sketch.embed_rows(group[sl], p, w, n_seqs, out)
     return out.numpy()
 
 

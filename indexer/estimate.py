@@ -44,7 +44,7 @@ def estimate(ix, *, calibration_sequences: int = CALIBRATION_SEQUENCES) -> dict[
                                 progress=False, max_documents=1)
         s0 = sample[0]
         proc = ShardProcessor(ix.model, torch.eye(mc.d_model), ix.u_dim, ix.schemas, batch_size=cfg.batch_size,
-                              device=ix.device, autocast=ix.autocast)
+                              device=ix.device, autocast=ix.autocast, act_mantissa_bits=cfg.act_mantissa_bits)
         run_batch(ix.model, [[0] * 8], [[0] * 8], device=ix.device)  # warm-up
         t1 = time.perf_counter()
         proc.process(tmp, 0)

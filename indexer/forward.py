@@ -71,6 +71,15 @@ def run_batch(
     return TokenBatch(rows, pos, x[rows, pos], yv, h.proto_idx, h.acts, u, loss, sim.amax(1), sim.amax(0))
 
 
+def round_mantissa(x: torch.Tensor, bits: int) -> torch.Tensor:
+    """x as float16 rounded to nearest with ``bits`` mantissa bits (of 10), back in float32."""
+    h = x.detach().cpu().to(torch.float16).numpy().view(np.uint16).astype(np.int32)
+    drop = 10 - bits
+    if drop > 0:
+        h = ((h + (1 << (drop - 1))) >> drop) << drop
+    return torch.from_numpy(h.astype(np.uint16).view(np.float16).astype(np.float32)).to(x.device)
+
+
 class ShardStats:
     """Additive (and one max-merged) statistics of a set of tokens, in the eigenbasis Q."""
 
@@ -117,8 +126,9 @@ class ShardProcessor:
 
     def __init__(self, model: PRISM, Q: torch.Tensor, u_dim: int, schemas: dict[str, pa.Schema], *,
                  batch_size: int, device: torch.device | str = "cpu",
-                 autocast: contextlib.AbstractContextManager | None = None) -> None:
+                 autocast: contextlib.AbstractContextManager | None = None, act_mantissa_bits: int = 10) -> None:
         self.model, self.Q, self.u_dim = model, Q.float(), u_dim
+        self.act_bits = act_mantissa_bits
         self.schemas, self.batch_size, self.device, self.autocast = schemas, batch_size, device, autocast
 
     def process(self, out: Path, shard: int, on_tokens=None) -> dict:
@@ -133,6 +143,7 @@ class ShardProcessor:
             tb = run_batch(self.model, seqs["token_ids"][sl], seqs["target_ids"][sl], device=self.device,
                            autocast=self.autocast)
             ut = (tb.u @ self.Q.to(tb.u.device))[:, : self.u_dim]  # (N, u_dim) Q^T u_t
+            tb.acts = round_mantissa(tb.acts, self.act_bits)  # stored precision, used for the stats too
             stats.add(tb, ut.cpu())
             seq_ids = torch.as_tensor(seqs["seq_id"][sl])[tb.row.cpu()]
             doc_ids = torch.as_tensor(seqs["doc_id"][sl])[tb.row.cpu()]
@@ -164,7 +175,8 @@ class ShardProcessor:
         ], schema=self.schemas["token_grads"])
         sizes = {
             "activations": write_table(out / "activations" / part_name(shard), acts,
-                                       use_dictionary=["seq_id", "pos", "token_id", "doc_id"]),
+                                       use_dictionary=["seq_id", "pos", "token_id", "proto_id", "doc_id"],
+                                       column_encoding={"act": "BYTE_STREAM_SPLIT"}),
             "token_grads": write_table(out / "token_grads" / part_name(shard), grads, use_dictionary=False),
         }
         blob = st_save({k: v.contiguous() for k, v in stats.tensors().items()})

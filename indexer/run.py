@@ -140,7 +140,7 @@ class Indexer:
 
     def _forward_local(self, m: dict, Q: torch.Tensor, pending: list[dict]) -> None:
         proc = ShardProcessor(self.model, Q, self.u_dim, self.schemas, batch_size=self.cfg.batch_size,
-                              device=self.device, autocast=self.autocast)
+                              device=self.device, autocast=self.autocast, act_mantissa_bits=self.cfg.act_mantissa_bits)
         total = sum(s["n_tokens"] for s in pending)
         with tqdm(total=total, desc="index", unit="tok", unit_scale=True, disable=not self.progress,
                   dynamic_ncols=True) as bar:
