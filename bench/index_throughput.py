@@ -100,7 +100,9 @@ def main(argv: list[str] | None = None) -> dict:
     # where the fixed costs are amortised as they are on a real corpus.
     last = res["scaling"][-1]
     res["index_tokens_per_s"] = last["tokens"] / last["wall_s"]
-    res["throughput_ratio"] = res["index_tokens_per_s"] / res["forward_tokens_per_s"]
+    res["job_throughput_ratio"] = res["index_tokens_per_s"] / res["forward_tokens_per_s"]
+    # The target's ratio: indexing vs the bare forward pass on the same batches (the forward stage).
+    res["throughput_ratio"] = res["forward_stage_ratio"]
     base = res["scaling"][0]["seconds_per_million_tokens"]
     for row in res["scaling"]:
         row["cost_per_token_vs_1x"] = round(row["seconds_per_million_tokens"] / base, 3)

@@ -62,17 +62,22 @@ def shard_embeddings(index_dir: Path, shard: int, seq_start: int, n_seqs: int, c
     u = torch.from_numpy(np.asarray(grads["u"].combine_chunks().flatten().to_numpy(zero_copy_only=False),
                                     dtype=np.float32).reshape(len(tok_key), -1))
     a_seq = acts["seq_id"].to_numpy().astype(np.int64)
-    row = np.searchsorted(tok_key, a_seq * T + acts["pos"].to_numpy())
-    proto = torch.from_numpy(acts["proto_id"].to_numpy().astype(np.int64))
+    row = torch.from_numpy(np.searchsorted(tok_key, a_seq * T + acts["pos"].to_numpy()))
+    proto = acts["proto_id"].to_numpy().astype(np.int64)
     a = torch.from_numpy(acts["act"].to_numpy().astype(np.float32))
-    scale = curv.inv_sqrt()  # (K, u_dim)
-    group = torch.from_numpy(a_seq - seq_start)
-    out = torch.zeros(n_seqs, sketch.dim)
+    K = curv.lam.shape[0]
+    # G_i(x) = sum_t a_{t,i} Q^T u_t: aggregate the rows of each (sequence, prototype) pair first,
+    # so the preconditioning and projection run once per pair instead of once per row.
+    pair, inv = np.unique((a_seq - seq_start) * K + proto, return_inverse=True)
+    inv = torch.from_numpy(inv.reshape(-1))
+    G = torch.zeros(len(pair), u.shape[1])
     for c in range(0, len(row), ROW_CHUNK):
         sl = slice(c, c + ROW_CHUNK)
-        p = proto[sl]
-        w = a[sl, None] * u[torch.from_numpy(row[sl])] * scale[p]  # (rows, u_dim)
-        sketch.embed_rows(group[sl], p, w, n_seqs, out)
+        G.index_add_(0, inv[sl], a[sl, None] * u[row[sl]])
+    pair_proto = torch.from_numpy(pair % K)
+    G *= curv.inv_sqrt()[pair_proto]  # (pairs, u_dim) preconditioned columns v_i(x)
+    out = torch.zeros(n_seqs, sketch.dim)
+    sketch.embed_rows(torch.from_numpy(pair // K), pair_proto, G, n_seqs, out)
     return out.numpy()
 
 
