@@ -146,6 +146,32 @@ def cmd_index(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_attribute(args: argparse.Namespace) -> int:
+    import pyarrow.parquet as pq
+
+    from .attribution import Attributor
+
+    att = Attributor.open(args.index)
+    res = att.attribute(args.prompt, args.completion, max_new_tokens=args.max_new_tokens,
+                        target_index=args.target_index, top_k=args.top_k, mode=args.mode,
+                        opponents=args.opponents)
+    ids = [d["doc_id"] for d in res["documents"]]
+    docs = pq.read_table(Path(args.index) / "documents", filters=[("doc_id", "in", ids)] if ids else None,
+                         columns=["doc_id", "external_id", "text"]).to_pydict()
+    by_id = {d: (e, t) for d, e, t in zip(docs["doc_id"], docs["external_id"], docs["text"])}
+    for d in res["documents"]:
+        ext, text = by_id.get(d["doc_id"], ("?", ""))
+        d["external_id"], d["snippet"] = ext, text[:300]
+    if args.json:
+        print(json.dumps(res, indent=2))
+        return 0
+    print(f"target: {res['query']['target_text']!r}   ({res['mode']}, {res['timings_ms']['total']:.0f} ms)")
+    for rank, d in enumerate(res["documents"], 1):
+        snippet = " ".join(d["snippet"].split())[:110]
+        print(f"{rank:3d}. {d['score']:+.3f}  {d['external_id']:<22s} {snippet}")
+    return 0
+
+
 DEMO_PROMPTS = ["The only way to", "A computer", "Love is", "Never trust"]
 
 
@@ -238,6 +264,22 @@ def build_parser() -> argparse.ArgumentParser:
     ix.add_argument("--json", action="store_true", help="with --dry-run: print JSON")
     ix.add_argument("--no-progress", action="store_true")
     ix.set_defaults(fn=cmd_index)
+
+    a = sub.add_parser("attribute", help="which training documents drove an output",
+                       description="Attribute a prompt's completion (given, generated, or the prompt's own "
+                                   "next-token predictions) to training documents of an index.")
+    a.add_argument("--index", required=True, help="index directory (built by `prism index`)")
+    a.add_argument("--prompt", required=True)
+    tgt = a.add_mutually_exclusive_group()
+    tgt.add_argument("--completion", help="the output to attribute (the target tokens)")
+    tgt.add_argument("--max-new-tokens", type=int, help="generate this many tokens greedily and attribute them")
+    a.add_argument("--target-index", type=int, help="attribute only this target token (0-based)")
+    a.add_argument("--top-k", type=int, default=10)
+    a.add_argument("--mode", choices=["fast", "exact"], default="fast",
+                   help="fast: FAISS candidates + exact re-rank; exact: every token sharing a prototype")
+    a.add_argument("--opponents", action="store_true", help="documents that most oppose the output")
+    a.add_argument("--json", action="store_true")
+    a.set_defaults(fn=cmd_attribute)
 
     d = sub.add_parser("demo", help="the main job: train the tiny demo model and index the bundled corpus",
                        description="Train (or reuse) a tiny PRISM model on the bundled demo corpus, index "

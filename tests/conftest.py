@@ -11,8 +11,11 @@ import pytest
 import torch
 
 from prism_tda import demo_corpus_path
+from prism_tda.indexer import IndexConfig
+from prism_tda.indexer.run import build_index
 from prism_tda.model import ModelConfig, TrainConfig
 from prism_tda.model.tokenizer import train_tokenizer
+from prism_tda.model.train import Trainer
 
 torch.set_num_threads(min(2, os.cpu_count() or 1))
 
@@ -59,3 +62,26 @@ def tiny_train_cfg(**kw) -> TrainConfig:
                 eval_tokens=2048, ckpt_every=10, reseed_every=5, val_fraction=0.1)
     base.update(kw)
     return TrainConfig(**base)
+
+
+@pytest.fixture(scope="session")
+def tiny_ckpt(tiny_corpus, tiny_tokenizer, tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("ckpt")
+    t = Trainer(tiny_model_cfg(), tiny_train_cfg(max_steps=40), [tiny_corpus], out / "run",
+                tokenizer_path=tiny_tokenizer, progress=False).setup()
+    return t.fit()
+
+
+def index_cfg(**kw) -> IndexConfig:
+    base = dict(shard_documents=150, batch_size=16, basis_sequences=64, embed_dim=16, sketch_buckets=8)
+    base.update(kw)
+    return IndexConfig(**base)
+
+
+@pytest.fixture(scope="session")
+def index(tiny_ckpt, tiny_corpus, tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("index") / "ix"
+    build_index(tiny_ckpt, [tiny_corpus], out, index_cfg(), progress=False)
+    return out
+
+

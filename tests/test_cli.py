@@ -49,3 +49,17 @@ def test_train_then_generate(tmp_path, tiny_corpus, tiny_tokenizer, capsys):
     # a bad checkpoint path is a clean error, exit code 2
     assert main(["generate", "--checkpoint", str(tmp_path / "missing"), "--prompt", "x"]) == 2
     assert "no such checkpoint" in capsys.readouterr().err
+
+
+def test_index_dry_run_and_attribute(index, tiny_ckpt, tiny_corpus, tmp_path, capsys):
+    out = tmp_path / "ix"
+    assert main(["index", "--checkpoint", str(tiny_ckpt), "--corpus", str(tiny_corpus), "--out", str(out),
+                 "--dry-run", "--json", "--no-progress"]) == 0
+    est = json.loads(capsys.readouterr().out)
+    assert est["documents"] == 600 and est["tokens"] > 0 and not out.exists()
+    assert main(["index", "--checkpoint", str(tiny_ckpt), "--out", str(out), "--set", "index.nope=1"]) == 2
+    assert "unknown field" in capsys.readouterr().err
+    assert main(["attribute", "--index", str(index), "--prompt", "A computer", "--completion", " is a",
+                 "--top-k", "3", "--json"]) == 0
+    res = json.loads(capsys.readouterr().out)
+    assert len(res["documents"]) == 3 and all("snippet" in d and d["external_id"] for d in res["documents"])

@@ -16,7 +16,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from prism_tda.indexer import IndexConfig, store
+from prism_tda.indexer import store
 from prism_tda.indexer.curvature import Curvature
 from prism_tda.indexer.embed import Sketch, normalise, open_faiss, shard_embeddings
 from prism_tda.indexer.forward import ShardStats
@@ -24,29 +24,9 @@ from prism_tda.indexer.run import Indexer, IndexMismatchError, build_index
 from prism_tda.model import checkpoint as ckpt
 from prism_tda.model.train import Trainer
 from tests.conftest import REPO, tiny_model_cfg, tiny_train_cfg
+from tests.conftest import index_cfg as _cfg
 
 TABLES = ("documents", "sequences", "activations", "token_grads")
-
-
-@pytest.fixture(scope="session")
-def tiny_ckpt(tiny_corpus, tiny_tokenizer, tmp_path_factory) -> Path:
-    out = tmp_path_factory.mktemp("ckpt")
-    t = Trainer(tiny_model_cfg(), tiny_train_cfg(max_steps=40), [tiny_corpus], out / "run",
-                tokenizer_path=tiny_tokenizer, progress=False).setup()
-    return t.fit()
-
-
-def _cfg(**kw) -> IndexConfig:
-    base = dict(shard_documents=150, batch_size=16, basis_sequences=64, embed_dim=16, sketch_buckets=8)
-    base.update(kw)
-    return IndexConfig(**base)
-
-
-@pytest.fixture(scope="session")
-def index(tiny_ckpt, tiny_corpus, tmp_path_factory) -> Path:
-    out = tmp_path_factory.mktemp("index") / "ix"
-    build_index(tiny_ckpt, [tiny_corpus], out, _cfg(), progress=False)
-    return out
 
 
 def _read(index_dir: Path, table: str):
