@@ -14,17 +14,15 @@ Writes ``bench/results/index.json``.
 from __future__ import annotations
 
 import argparse
-import datetime as dt
 import gzip
 import json
-import platform
 import shutil
-import sys
 import time
 from pathlib import Path
 
 import pyarrow.parquet as pq
 import torch
+from _common import finish
 
 from prism_tda import demo_corpus_path
 from prism_tda.indexer import IndexConfig
@@ -108,13 +106,7 @@ def main(argv: list[str] | None = None) -> dict:
         row["cost_per_token_vs_1x"] = round(row["seconds_per_million_tokens"] / base, 3)
     model_cfg = ckpt.read_config(ckpt.resolve(args.checkpoint))["model"]
     res["config"] = {"index": cfg.to_dict(), "model": model_cfg, "checkpoint": args.checkpoint}
-    res["machine"] = {"platform": platform.platform(), "torch": torch.__version__, "threads": torch.get_num_threads()}
-    res["command"] = "python bench/index_throughput.py " + " ".join(sys.argv[1:] if argv is None else argv)
-    res["date"] = dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(res, indent=2))
-    print(json.dumps({k: v for k, v in res.items() if k not in ("config", "machine")}, indent=2))
-    return res
+    return finish(res, "index_throughput.py", argv, args.out)
 
 
 if __name__ == "__main__":

@@ -13,15 +13,12 @@ Writes ``bench/results/train.json`` (and the two checkpoints under ``--work``).
 from __future__ import annotations
 
 import argparse
-import datetime as dt
-import json
-import platform
 import statistics
-import sys
 import time
 from pathlib import Path
 
 import torch
+from _common import finish
 from tqdm.auto import tqdm
 
 from prism_tda import demo_corpus_path
@@ -98,16 +95,8 @@ def main(argv: list[str] | None = None) -> dict:
                      "tokens_per_model": tok_per_step * args.steps,
                      "n_params_prism": trainers["prism"].model.num_params(),
                      "n_params_dense": trainers["dense"].model.num_params()}
-    res["machine"] = {"platform": platform.platform(), "processor": platform.processor(),
-                      "torch": torch.__version__, "threads": torch.get_num_threads(),
-                      "device": str(trainers["prism"].device),
-                      "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None}
-    res["command"] = "python bench/train_throughput.py " + " ".join(sys.argv[1:] if argv is None else argv)
-    res["date"] = dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(res, indent=2))
-    print(json.dumps({k: v for k, v in res.items() if k not in ("config", "machine")}, indent=2))
-    return res
+    res["machine"] = {"device": str(trainers["prism"].device)}
+    return finish(res, "train_throughput.py", argv, args.out)
 
 
 if __name__ == "__main__":

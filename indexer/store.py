@@ -24,6 +24,8 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from prism_tda.fsutil import atomic_write_bytes, fsync_dir
+
 FORMAT = "prism-tda-index"
 FORMAT_VERSION = 1
 MANIFEST = "manifest.json"
@@ -68,25 +70,6 @@ def schemas(vocab_size: int, n_prototypes: int, u_dim: int) -> dict[str, pa.Sche
 
 def part_name(shard: int, suffix: str = "parquet") -> str:
     return f"part-{shard:05d}.{suffix}"
-
-
-def fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def atomic_write_bytes(path: Path, data: bytes) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    with open(tmp, "wb") as fh:
-        fh.write(data)
-        fh.flush()
-        os.fsync(fh.fileno())
-    os.replace(tmp, path)
-    fsync_dir(path.parent)
 
 
 def write_table(path: Path, table: pa.Table, **kwargs: Any) -> int:

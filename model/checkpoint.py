@@ -24,6 +24,7 @@ from safetensors.torch import load_file, save_file
 from tokenizers import Tokenizer
 
 from prism_tda.errors import CheckpointError, ConfigError
+from prism_tda.fsutil import atomic_write_bytes, fsync_dir
 
 from .config import ModelConfig
 from .model import PRISM
@@ -43,19 +44,8 @@ def sha256_file(path: str | Path) -> str:
     return h.hexdigest()
 
 
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def _write_json(path: Path, obj: Any) -> None:
-    with open(path, "w") as fh:
-        json.dump(obj, fh, indent=2, sort_keys=True)
-        fh.flush()
-        os.fsync(fh.fileno())
+    atomic_write_bytes(path, json.dumps(obj, indent=2, sort_keys=True).encode())
 
 
 def resolve(path: str | Path) -> Path:
@@ -108,11 +98,11 @@ def save_checkpoint(
         "files": {name: sha256_file(tmp / name) for name in (WEIGHTS, TOKENIZER)},
     }
     _write_json(tmp / CONFIG, config)
-    _fsync_dir(tmp)
+    fsync_dir(tmp)
     if path.exists():
         shutil.rmtree(path)
     os.replace(tmp, path)
-    _fsync_dir(path.parent)
+    fsync_dir(path.parent)
     return path
 
 
