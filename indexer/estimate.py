@@ -71,9 +71,11 @@ def estimate(ix, *, calibration_sequences: int = CALIBRATION_SEQUENCES) -> dict[
     max_shard_tok = max((s["n_tokens"] for s in shards), default=0)
     memory = {
         "model": sum(p.numel() * p.element_size() for p in ix.model.parameters()),
-        "forward_batch": 4 * n_batch_tok * (2 * V + 4 * d + K),  # logits + softmax, z/u, similarities
+        "forward_batch": 4 * n_batch_tok * (3 * V + 4 * d + K),  # logits, softmax, log-softmax; z/u; similarities
         "shard_buffers": max_shard_tok * (2 * ix.u_dim + 16 * mc.top_k + 16),
         "statistics": 8 * (2 * d * d + 2 * K * ix.u_dim),
+        # embedding stage: a shard's Q^T u in fp32 and one column per (sequence, prototype) pair
+        "embedding_stage": 4 * max_shard_tok * ix.u_dim * (1 + mc.top_k // 2),
         "faiss_build": 4 * n_seqs * D * (2 if cfg.faiss_spec == "Flat" else 1),
         "python_and_libraries": 600 * 1024**2,
     }
