@@ -38,6 +38,11 @@ class _GatherDot(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, g):  # g (N, k)
+        with torch.autocast(g.device.type, enabled=False):
+            return _GatherDot._backward(ctx, g)
+
+    @staticmethod
+    def _backward(ctx, g):
         x, y, idx = ctx.saved_tensors
         g = g.contiguous().to(x.dtype)
         gx = _csr(idx, g, y.shape[0]) @ y if ctx.needs_input_grad[0] else None  # (N, d)
@@ -55,8 +60,13 @@ class _SparseMix(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, g):  # g (N, d)
+        with torch.autocast(g.device.type, enabled=False):
+            return _SparseMix._backward(ctx, g)
+
+    @staticmethod
+    def _backward(ctx, g):
         w, y, idx = ctx.saved_tensors
-        g = g.contiguous()
+        g = g.contiguous().to(y.dtype)
         gw = gy = None
         if ctx.needs_input_grad[0]:
             gw = _sampled_dot(g, y, idx)  # (N, k)

@@ -194,8 +194,9 @@ class Trainer:
                              micro=micro, grad_accum=c.grad_accum, rank=self.rank, world=self.world)
             x, y = x.to(self.device), y.to(self.device)
             sync = self.ddp is None or micro == c.grad_accum - 1
-            with (contextlib.nullcontext() if sync else self.ddp.no_sync()), self.autocast:
-                out = self.fwd(x, y)
+            with contextlib.nullcontext() if sync else self.ddp.no_sync():
+                with self.autocast:  # forward under autocast, backward outside it
+                    out = self.fwd(x, y)
                 (out.loss / c.grad_accum).backward()
             for k, v in {"loss": out.loss, **out.losses, **out.metrics}.items():
                 sums[k] = sums.get(k, 0.0) + float(v.detach()) / c.grad_accum

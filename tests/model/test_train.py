@@ -166,3 +166,13 @@ def test_ddp_two_gloo_processes_match_single_process_gradients(tmp_path, tiny_co
     for name, p in single.model.named_parameters():
         assert torch.allclose(p.grad, ddp[name], atol=1e-6, rtol=1e-4), name
     assert set(ddp) == {n for n, _ in single.model.named_parameters()}
+
+
+def test_bf16_autocast_keeps_the_head_in_fp32(tmp_path, tiny_corpus, tiny_tokenizer):
+    t = _trainer(tmp_path, tiny_corpus, tiny_tokenizer, max_steps=3, dtype="bf16")
+    stats = [t.train_step(s) for s in range(3)]
+    assert all(torch.isfinite(torch.tensor(s["loss"])) for s in stats)
+    x = torch.randint(0, 400, (2, 32))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = t.model(x, return_head=True)
+    assert out.logits.dtype == torch.bfloat16 and out.head.acts.dtype == torch.float32
