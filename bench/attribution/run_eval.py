@@ -79,12 +79,13 @@ def main(argv: list[str] | None = None) -> dict:
         for line in src:
             if not is_validation(json.loads(line)["id"], train_cfg.val_fraction):
                 dst.write(line)
+    index_dir = work / f"index_{ck.name}"  # one index per checkpoint
     t0 = time.perf_counter()
-    build_index(ck, [str(train_corpus)], work / "index", progress=False)
+    build_index(ck, [str(train_corpus)], index_dir, progress=False)
     index_s = time.perf_counter() - t0
 
-    att = Attributor.open(work / "index")
-    docs = pq.read_table(sorted((work / "index" / "documents").glob("*.parquet")),
+    att = Attributor.open(index_dir)
+    docs = pq.read_table(sorted((index_dir / "documents").glob("*.parquet")),
                          columns=["doc_id", "external_id", "text"]).to_pydict()
     ext = docs["external_id"]
     rss_prism = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
