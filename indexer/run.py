@@ -61,8 +61,8 @@ def identity(ck_config: dict, corpus: list[str], cfg: IndexConfig) -> dict[str, 
 class Indexer:
     def __init__(self, checkpoint: str | Path, corpus: list[str], out: str | Path, cfg: IndexConfig | None = None,
                  *, progress: bool = True) -> None:
-        self.ck_path = ckpt.resolve(checkpoint)
-        self.corpus = [str(c) for c in corpus]
+        self.ck_path = ckpt.resolve(checkpoint).absolute()
+        self.corpus = [str(Path(c).absolute()) for c in corpus]
         self.out = Path(out)
         self.cfg = cfg or IndexConfig()
         self.progress = progress
