@@ -349,4 +349,5 @@ class Trainer:
 
     def close(self) -> None:
         if self.world > 1 and dist.is_initialized():
+            dist.barrier()  # no rank tears down the process group while another still uses it
             dist.destroy_process_group()
