@@ -212,7 +212,10 @@ def cmd_demo(args: argparse.Namespace) -> int:
     print(json.dumps(summary, indent=2))
     for prompt, text in zip(DEMO_PROMPTS, _generate(str(ckpt_path), DEMO_PROMPTS, 40, 0.8, 40, 0)):
         print(f"\n>>> {prompt}{text}")
-    return 0
+    print("\nWhich training documents drove ' is a machine' after 'A computer'?")
+    return cmd_attribute(argparse.Namespace(index=str(out / "index"), prompt="A computer", completion=" is a machine",
+                                            max_new_tokens=None, target_index=None, top_k=5, mode="fast",
+                                            opponents=False, json=False))
 
 
 # ---------------------------------------------------------------------------- parser

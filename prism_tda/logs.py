@@ -37,3 +37,4 @@ def setup_logging(level: str = "info", fmt: str = "text") -> None:
     root = logging.getLogger()
     root.handlers[:] = [handler]
     root.setLevel(level.upper())
+    logging.getLogger("faiss.loader").setLevel(logging.WARNING)
