@@ -63,3 +63,20 @@ def test_index_dry_run_and_attribute(index, tiny_ckpt, tiny_corpus, tmp_path, ca
                  "--top-k", "3", "--json"]) == 0
     res = json.loads(capsys.readouterr().out)
     assert len(res["documents"]) == 3 and all("snippet" in d and d["external_id"] for d in res["documents"])
+
+
+@pytest.mark.slow
+def test_demo_end_to_end_with_a_tiny_model(tmp_path, capsys):
+    """The main job on the whole bundled corpus (model shrunk so it runs in seconds), then reused."""
+    sets = ["model.d_model=32", "model.n_layer=1", "model.n_head=2", "model.n_prototypes=32", "model.vocab_size=512",
+            "train.max_steps=4", "train.eval_every=4", "train.ckpt_every=4", "train.eval_tokens=1024"]
+    args = ["demo", "--out", str(tmp_path / "demo"), "--no-progress"]
+    for s in sets:
+        args += ["--set", s]
+    assert main(args) == 0
+    out = capsys.readouterr().out
+    summary = json.loads(out[: out.index("\n}\n") + 2])
+    assert summary["index_summary"]["documents"] == 14225 and summary["index_summary"]["bad_records"] == 0
+    assert "Which training documents drove" in out and "  1. " in out
+    assert main(args) == 0  # second run reuses the model and the index
+    assert json.loads(capsys.readouterr().out.split("\n}\n")[0] + "\n}")["train_seconds"] < 5
