@@ -175,8 +175,9 @@ class ShardProcessor:
         ], schema=self.schemas["token_grads"])
         sizes = {
             "activations": write_table(out / "activations" / part_name(shard), acts,
-                                       use_dictionary=["seq_id", "pos", "token_id", "proto_id", "doc_id"],
-                                       column_encoding={"act": "BYTE_STREAM_SPLIT"}),
+                                       # bfloat16-precision acts take few distinct values: a dictionary
+                                       # suits them (and DuckDB reads no byte-stream-split float16)
+                                       use_dictionary=["seq_id", "pos", "token_id", "proto_id", "act", "doc_id"]),
             "token_grads": write_table(out / "token_grads" / part_name(shard), grads, use_dictionary=False),
         }
         blob = st_save({k: v.contiguous() for k, v in stats.tensors().items()})

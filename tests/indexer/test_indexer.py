@@ -236,3 +236,16 @@ def test_sketch_inner_products_estimate_preconditioned_influence(index):
     _, nearest = open_faiss(index).search(normalise(e[:10]), 1)
     assert (nearest[:, 0] == np.arange(10)).all()
     assert Sketch(32, 32, 16, 8, 0).dim == 128
+
+
+def test_every_table_reads_in_duckdb(index):
+    """The store is queried with DuckDB: every Parquet file must be readable by it."""
+    duckdb = pytest.importorskip("duckdb")
+    con = duckdb.connect()
+    for name in ("documents", "sequences", "activations", "token_grads"):
+        n = con.execute(f"SELECT count(*) FROM read_parquet('{index / name}/*.parquet')").fetchone()[0]
+        assert n == _read(index, name).num_rows, name
+    got = con.execute(f"SELECT sum(act::DOUBLE) FROM read_parquet('{index}/activations/*.parquet')").fetchone()[0]
+    assert got == pytest.approx(float(np.sum(_read(index, "activations")["act"].to_numpy().astype(np.float64))))
+    for name in ("prototypes", "vocab"):
+        assert con.execute(f"SELECT count(*) FROM '{index / name}.parquet'").fetchone()[0] > 0
