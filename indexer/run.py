@@ -153,11 +153,6 @@ class Indexer:
         store.write_manifest(self.out, m)
         log.debug("shard complete", extra={"shard": s["shard"], **res})
 
-    def _forward_ray(self, m: dict, pending: list[dict], workers: int, address: str | None) -> None:
-        from .distributed import run_on_ray
-
-        run_on_ray(self, m, pending, workers=workers, address=address)
-
     def _reduce(self, m: dict, Q: torch.Tensor) -> tuple[Curvature, ShardStats]:
         mc = self.model.cfg
         total = ShardStats(mc.n_prototypes, mc.d_model, self.u_dim)
@@ -229,7 +224,9 @@ class Indexer:
                                         "tokens": sum(s["n_tokens"] for s in pending)})
         t0 = time.perf_counter()
         if pending and (workers or ray_address):
-            self._forward_ray(m, pending, workers or 0, ray_address)
+            from .distributed import run_on_ray
+
+            run_on_ray(self, m, pending, workers=workers or 0, address=ray_address)
         elif pending:
             self._forward_local(m, Q, pending)
         fwd_s = time.perf_counter() - t0

@@ -29,8 +29,6 @@ from prism_tda.fsutil import atomic_write_bytes, fsync_dir
 FORMAT = "prism-tda-index"
 FORMAT_VERSION = 1
 MANIFEST = "manifest.json"
-PLAN_TABLES = ("documents", "sequences")
-FORWARD_TABLES = ("activations", "token_grads")
 
 
 def id_type(max_value: int) -> pa.DataType:

@@ -84,9 +84,8 @@ class Attributor:
         tok_seq = grads["seq_id"].to_numpy().astype(np.int64)
         tok_key = tok_seq * 65536 + grads["pos"].to_numpy()
         seqs = pq.read_table(sorted((self.dir / "sequences").glob("part-*.parquet")),
-                             columns=["seq_id", "doc_id", "start_token", "n_tokens"])
+                             columns=["seq_id", "doc_id", "n_tokens"])
         self.seq_doc = seqs["doc_id"].to_numpy()
-        self.seq_start_token = seqs["start_token"].to_numpy()
         n_seq = len(self.seq_doc)
         self.seq_tok0 = np.zeros(n_seq + 1, dtype=np.int64)  # token rows of sequence s: [tok0[s], tok0[s+1])
         np.cumsum(seqs["n_tokens"].to_numpy(), out=self.seq_tok0[1:])

@@ -47,29 +47,38 @@ def _parse_value(raw: str) -> Any:
         return raw
 
 
+def _merge_overrides(sections: dict[str, dict[str, Any]], config_file: str | None, sets: list[str], *,
+                     also_ok: set[str] = frozenset()) -> dict[str, dict[str, Any]]:
+    """Apply a JSON config file's sections, then ``--set SECTION.NAME=VALUE`` items, to ``sections``."""
+    from .errors import ConfigError
+
+    if config_file:
+        try:
+            data = json.loads(Path(config_file).read_text())
+        except (OSError, json.JSONDecodeError) as e:
+            raise ConfigError(f"{config_file}: {e}") from e
+        unknown = set(data) - set(sections) - set(also_ok)
+        if unknown:
+            raise ConfigError(f"{config_file}: unknown section(s) {sorted(unknown)}; use {sorted(sections)}")
+        for name in sections:
+            sections[name].update(data.get(name, {}))
+    for item in sets:
+        key, sep, raw = item.partition("=")
+        section, dot, name = key.partition(".")
+        if not sep or not dot or section not in sections:
+            raise ConfigError(f"--set {item!r}: expected " + " or ".join(f"{k}.NAME=VALUE" for k in sections))
+        sections[section][name] = _parse_value(raw)
+    return sections
+
+
 def build_configs(preset: str, config_file: str | None, sets: list[str], head: str | None = None):
     from .errors import ConfigError
     from .model.config import ModelConfig, TrainConfig
 
     if preset not in PRESETS:
         raise ConfigError(f"--preset must be one of {sorted(PRESETS)}, got {preset!r}")
-    merged = {"model": dict(PRESETS[preset]["model"]), "train": dict(PRESETS[preset]["train"])}
-    if config_file:
-        try:
-            data = json.loads(Path(config_file).read_text())
-        except (OSError, json.JSONDecodeError) as e:
-            raise ConfigError(f"{config_file}: {e}") from e
-        for section in ("model", "train"):
-            merged[section].update(data.get(section, {}))
-        unknown = set(data) - {"model", "train"}
-        if unknown:
-            raise ConfigError(f"{config_file}: unknown section(s) {sorted(unknown)}; use 'model' and 'train'")
-    for item in sets:
-        key, sep, raw = item.partition("=")
-        section, dot, name = key.partition(".")
-        if not sep or not dot or section not in merged:
-            raise ConfigError(f"--set {item!r}: expected model.NAME=VALUE or train.NAME=VALUE")
-        merged[section][name] = _parse_value(raw)
+    merged = _merge_overrides({"model": dict(PRESETS[preset]["model"]), "train": dict(PRESETS[preset]["train"])},
+                              config_file, sets, also_ok={"index"})
     if head is not None:
         merged["model"]["head"] = head
     return (ModelConfig.from_dict(merged["model"], where="model config"),
@@ -125,16 +134,7 @@ def cmd_index(args: argparse.Namespace) -> int:
     from .indexer.estimate import estimate, format_estimate
     from .indexer.run import Indexer
 
-    overrides: dict[str, Any] = {}
-    if args.config:
-        overrides.update(json.loads(Path(args.config).read_text()).get("index", {}))
-    for item in args.set:
-        key, sep, raw = item.partition("=")
-        if not sep or not key.startswith("index."):
-            from .errors import ConfigError
-
-            raise ConfigError(f"--set {item!r}: expected index.NAME=VALUE")
-        overrides[key[len("index."):]] = _parse_value(raw)
+    overrides = _merge_overrides({"index": {}}, args.config, args.set, also_ok={"model", "train"})["index"]
     cfg = IndexConfig.from_dict(overrides, where="index config")
     ix = Indexer(args.checkpoint, args.corpus or [demo_corpus_path()], args.out, cfg, progress=not args.no_progress)
     if args.dry_run:
