@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import pyarrow.compute as pc
 import pyarrow.parquet as pq
 import torch
 
@@ -31,6 +32,10 @@ from .indexer.embed import Sketch, normalise, open_faiss
 from .indexer.forward import run_batch
 from .model import checkpoint as ckpt
 from .model.tokenizer import eos_id
+
+
+def pc_max(col) -> int:
+    return pc.max(col).as_py() if len(col) else -1
 
 
 class QueryError(PrismError, ValueError):
@@ -84,8 +89,16 @@ class Attributor:
         tok_seq = grads["seq_id"].to_numpy().astype(np.int64)
         tok_key = tok_seq * 65536 + grads["pos"].to_numpy()
         seqs = pq.read_table(sorted((self.dir / "sequences").glob("part-*.parquet")),
-                             columns=["seq_id", "doc_id", "n_tokens"])
+                             columns=["seq_id", "doc_id", "start_token", "n_tokens", "token_ids", "target_ids"])
         self.seq_doc = seqs["doc_id"].to_numpy()
+        self.seq_start = seqs["start_token"].to_numpy()
+        # flat per token row: the input token and the token it predicts (what the row's gradient learns)
+        self.tok_input = seqs["token_ids"].combine_chunks().flatten().to_numpy()
+        self.tok_target = seqs["target_ids"].combine_chunks().flatten().to_numpy()
+        docs = pq.read_table(sorted((self.dir / "documents").glob("part-*.parquet")), columns=["doc_id", "external_id"])
+        self.doc_external = np.empty(int(pc_max(docs["doc_id"])) + 1, dtype=object)
+        self.doc_external[docs["doc_id"].to_numpy()] = docs["external_id"].to_numpy(zero_copy_only=False)
+        self.n_docs = len(self.doc_external)
         n_seq = len(self.seq_doc)
         self.seq_tok0 = np.zeros(n_seq + 1, dtype=np.int64)  # token rows of sequence s: [tok0[s], tok0[s+1])
         np.cumsum(seqs["n_tokens"].to_numpy(), out=self.seq_tok0[1:])
@@ -169,8 +182,11 @@ class Attributor:
         return out
 
     # --------------------------------------------------------------------------- scoring
-    def _score_rows(self, q: Query, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """(token rows, summed influence) for the given activation rows."""
+    def _score_rows(self, q: Query, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """Per-token influence for the given activation rows.
+
+        Returns (token rows, summed influence per token, per activation row value, activation row ->
+        index into the token rows)."""
         Wq = (q.G * self.inv).numpy()  # (K, u_dim) preconditioned query columns
         tok = self.row_tok[rows]
         u = self.u[tok].astype(np.float32)
@@ -178,12 +194,26 @@ class Attributor:
         uniq, inv_idx = np.unique(tok, return_inverse=True)
         score = np.zeros(len(uniq))
         np.add.at(score, inv_idx, val)
-        return uniq, score
+        return uniq, score, val, inv_idx
 
-    def _token_cosines(self, q: Query, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        tok, raw = self._score_rows(q, rows)
-        cos = raw / np.sqrt(max(q.self_influence, 1e-30) * np.maximum(self.tok_self[tok], 1e-30))
-        return tok, cos, raw
+    def _token_cosines(self, q: Query, raw: np.ndarray, tok: np.ndarray) -> np.ndarray:
+        return raw / np.sqrt(max(q.self_influence, 1e-30) * np.maximum(self.tok_self[tok], 1e-30))
+
+    def document_scores(self, q: Query, mode: str = "exact", n_candidates: int = 256) -> dict[str, np.ndarray]:
+        """Scores of every document for one query (0 where a document has no scored token).
+
+        ``cosine_max``: the served score (best token's cosine); ``raw_sum``: summed raw influence of
+        the document's tokens, the classical additive influence of the document."""
+        rows = self.query_rows(q) if mode == "exact" else self.candidate_rows(q, n_candidates)[1]
+        tok, raw, _, _ = self._score_rows(q, rows)
+        cos = self._token_cosines(q, raw, tok)
+        docs = self.seq_doc[self.tok_seq[tok]].astype(np.int64)
+        cos_max = np.full(self.n_docs, -np.inf)
+        np.maximum.at(cos_max, docs, cos)
+        cos_max[~np.isfinite(cos_max)] = 0.0
+        raw_sum = np.zeros(self.n_docs)
+        np.add.at(raw_sum, docs, raw)
+        return {"cosine_max": cos_max, "raw_sum": raw_sum}
 
     def query_rows(self, q: Query) -> np.ndarray:
         """Activation rows of every training token sharing a prototype with the query."""
@@ -214,7 +244,8 @@ class Attributor:
         else:
             raise QueryError(f"mode must be 'fast' or 'exact', got {mode!r}")
         t2 = time.perf_counter()
-        tok, cos, raw = self._token_cosines(q, rows)
+        tok, raw, row_val, row_tok_idx = self._score_rows(q, rows)
+        cos = self._token_cosines(q, raw, tok)
         sign = -1.0 if opponents else 1.0
         docs = self.seq_doc[self.tok_seq[tok]]
         order = np.lexsort((-(sign * cos), docs))  # by doc, best token first
@@ -223,11 +254,49 @@ class Attributor:
         best = order[first]  # best token per document
         best = best[np.argsort(-(sign * cos[best]), kind="stable")][:top_k]
         t3 = time.perf_counter()
-        results = [{"doc_id": int(docs[b]), "score": float(cos[b]), "raw_influence": float(raw[b]),
-                    "seq_id": int(self.tok_seq[tok[b]]), "token_row": int(tok[b])} for b in best]
+        results = [self._document_result(b, tok, cos, raw, docs, rows, row_val, row_tok_idx, sign) for b in best]
         return {"query": {"token_ids": q.token_ids, "n_prompt": q.n_prompt, "target_ids": q.target_ids,
                           "target_text": self.tokenizer.decode(q.target_ids)},
                 "documents": results, "per_token": q.per_token,
                 "timings_ms": {"query_forward": 1e3 * (t1 - t0), "candidates": 1e3 * (t2 - t1),
-                               "score": 1e3 * (t3 - t2), "total": 1e3 * (t3 - t0)},
+                               "score": 1e3 * (t3 - t2), "details": 1e3 * (time.perf_counter() - t3),
+                               "total": 1e3 * (time.perf_counter() - t0)},
                 "mode": mode, "rows_scored": int(len(rows))}
+
+    # --------------------------------------------------------------------------- presentation
+    def _document_result(self, b: int, tok: np.ndarray, cos: np.ndarray, raw: np.ndarray, docs: np.ndarray,
+                         rows: np.ndarray, row_val: np.ndarray, row_tok_idx: np.ndarray, sign: float,
+                         window: int = 24, max_highlights: int = 8) -> dict[str, Any]:
+        """One ranked document: score, a snippet around its best token, the training tokens to
+        highlight (tokens of the snippet that share prototypes with the query, weighted by their
+        influence relative to the best token) and the prototypes that carry the best token's score."""
+        t_best = int(tok[b])
+        seq = int(self.tok_seq[t_best])
+        t0, t1 = int(self.seq_tok0[seq]), int(self.seq_tok0[seq + 1])
+        lo, hi = max(t0, t_best - window), min(t1, t_best + window + 1)
+        # the snippet is the predicted tokens of rows [lo, hi): the best row's target sits inside it
+        ids = self.tok_target[lo:hi].tolist()
+        offsets = [len(self.tokenizer.decode(ids[:n])) for n in range(len(ids) + 1)]
+        snippet = self.tokenizer.decode(ids)
+        in_doc = (tok >= lo) & (tok < hi)
+        best_raw = abs(raw[b]) or 1.0
+        cand = np.nonzero(in_doc & (sign * raw > 0))[0]
+        cand = cand[np.argsort(-(sign * raw[cand]))][:max_highlights]
+        highlights = []
+        for c in sorted(cand, key=lambda c: tok[c]):
+            n = int(tok[c]) - lo
+            start, end = offsets[n], offsets[n + 1]
+            if end > start:
+                highlights.append({"start": start, "end": end, "text": snippet[start:end],
+                                   "weight": float(sign * raw[c] / best_raw), "token_row": int(tok[c])})
+        mine = row_tok_idx == b
+        protos = self.row_proto[rows[mine]]
+        vals = sign * row_val[mine]
+        total = float(np.abs(vals).sum()) or 1.0
+        carry = sorted(({"proto_id": int(p), "share": float(v / total)} for p, v in zip(protos, vals, strict=True)),
+                       key=lambda d: -d["share"])
+        doc = int(docs[b])
+        return {"doc_id": doc, "external_id": str(self.doc_external[doc]), "score": float(cos[b]),
+                "raw_influence": float(raw[b]), "seq_id": seq, "token_row": t_best,
+                "position": int(self.seq_start[seq]) + t_best - t0,
+                "snippet": snippet, "highlights": highlights, "prototypes": carry}

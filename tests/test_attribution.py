@@ -82,3 +82,30 @@ def test_bad_queries(att):
     with pytest.raises(QueryError, match="mode"):
         att.attribute("A", " b", mode="nope")
     assert np.all(att.tok_self >= 0)
+
+
+def test_documents_carry_snippet_highlights_and_prototypes(att, index):
+    res = att.attribute("A computer", " is a", mode="exact", top_k=5)
+    docs = pq.read_table(sorted((index / "documents").glob("*.parquet")), columns=["doc_id", "external_id"]).to_pydict()
+    external = dict(zip(docs["doc_id"], docs["external_id"], strict=True))
+    q = att.encode_query("A computer", " is a")
+    query_protos = set((q.G.abs().sum(1) > 0).nonzero().flatten().tolist())
+    for d in res["documents"]:
+        assert d["external_id"] == external[d["doc_id"]]
+        assert d["snippet"] and d["highlights"]
+        for h in d["highlights"]:
+            assert d["snippet"][h["start"]:h["end"]] == h["text"] and 0 < h["weight"] <= 1 + 1e-9
+        # the best token is highlighted with weight 1
+        assert any(h["token_row"] == d["token_row"] and h["weight"] == pytest.approx(1.0) for h in d["highlights"])
+        shares = [p["share"] for p in d["prototypes"]]
+        assert sum(abs(s) for s in shares) == pytest.approx(1.0) and shares == sorted(shares, reverse=True)
+        assert {p["proto_id"] for p in d["prototypes"]} <= query_protos
+
+
+def test_document_scores_cover_every_document_and_agree_with_the_ranking(att):
+    q = att.encode_query("A computer", " is a")
+    s = att.document_scores(q, mode="exact")
+    assert s["cosine_max"].shape == s["raw_sum"].shape == (att.n_docs,)
+    res = att.attribute("A computer", " is a", mode="exact", top_k=5)
+    top = np.argsort(-s["cosine_max"], kind="stable")[:5]
+    assert [d["score"] for d in res["documents"]] == pytest.approx(s["cosine_max"][top].tolist())
