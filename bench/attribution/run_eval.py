@@ -1,21 +1,33 @@
-"""Planted-fact evaluation of PRISM attribution (fast and exact) against BM25, in one run.
+"""PRISM attribution against EK-FAC (kronfluence), TRAK (traker) and BM25, with LDS, in one run.
 
-Builds the demo corpus plus invented facts (several copies each), trains the tiny PRISM model on
-it (or reuses it), indexes the training split, and asks every fact with its verbatim and its
-paraphrased prompt. Reports recall@1/@10 and MRR of the planted documents per method, prompt kind
-and memorised / not memorised facts; top-10 overlap of the fast path with the exact path and the
-candidate stage's recall of the exact top-10; time per query.
+1. Corpus: invented facts (several copies each) plus demo documents, ``--docs`` in all; the
+   validation split (by document id) gives held-out queries.
+2. Train a small PRISM model on the training split, index it.
+3. Queries: every fact's verbatim and paraphrased prompt with its answer as completion, and
+   held-out documents (first tokens as prompt, the next ones as completion).
+4. Score every (query, training document) pair with PRISM exact, PRISM fast (as served: FAISS
+   candidates + exact re-rank, 0 outside the candidates), EK-FAC, TRAK and BM25. Each method runs in
+   its own process, which reports its own set-up time, time per query and peak RSS.
+5. LDS: retrain the model from scratch on ``--subsets`` random halves of the training documents
+   (same recipe, same number of epochs), measure each query's loss, and take per query the Spearman
+   correlation between a method's predicted subset effect (sum of its scores over the subset) and
+   the measured loss decrease; LDS is the mean over queries.
 
-    python bench/attribution/run_eval.py --facts 30 --copies 6 --steps 1500
+    pip install --no-deps kronfluence==1.0.1 traker==0.3.2
+    pip install accelerate einops einconv opt-einsum rank-bm25
+    python bench/attribution/run_eval.py
 
-Not yet in this harness: LDS on retrained subsets, EK-FAC (kronfluence) and TRAK (traker).
-Writes ``bench/results/attribution.json``.
+Writes ``bench/results/attribution.json``. Everything under ``--work`` is reused on a rerun
+(trained models, subset losses, method scores), so an interrupted run resumes.
 """
 
 from __future__ import annotations
 
 import argparse
+import gzip
 import json
+import multiprocessing as mp
+import random
 import resource
 import sys
 import time
@@ -25,135 +37,341 @@ import numpy as np
 import pyarrow.parquet as pq
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parent))
+sys.path.insert(0, str(HERE))
 from _common import finish  # noqa: E402
-from planted import make_facts, write_corpus  # noqa: E402
+from planted import make_facts  # noqa: E402
 
-from prism_tda.attribution import Attributor  # noqa: E402
+from prism_tda import demo_corpus_path  # noqa: E402
 from prism_tda.cli import build_configs  # noqa: E402
 from prism_tda.corpus import is_validation  # noqa: E402
-from prism_tda.indexer.run import build_index  # noqa: E402
-from prism_tda.model import checkpoint as ckpt  # noqa: E402
-from prism_tda.model.train import Trainer  # noqa: E402
+
+# the evaluation model: small enough to retrain many times on 2 cores
+MODEL = ["model.vocab_size=2048", "model.block_size=64", "model.n_layer=2", "model.n_head=4",
+         "model.d_model=128", "model.n_prototypes=256", "model.top_k=8", "train.eval_every=100000",
+         "train.ckpt_every=100000", "train.warmup_steps=30"]
+METHODS = ["prism_fast", "prism_exact", "prism_exact_raw_sum", "ekfac", "trak", "bm25"]
 
 
-def rank_of(ranked: list[str], wanted: set[str]) -> int | None:
-    for i, d in enumerate(ranked):
-        if d in wanted:
+# --------------------------------------------------------------------------- corpus and queries
+def build_corpus(work: Path, n_docs: int, n_facts: int, copies: int, seed: int) -> tuple[Path, list]:
+    facts = make_facts(n_facts, copies)
+    with gzip.open(demo_corpus_path(), "rt") as fh:
+        demo = [json.loads(line) for line in fh]
+    rng = random.Random(seed)
+    rng.shuffle(demo)
+    docs = [{"id": d, "source": "planted", "title": f.fact_id, "text": f.text} for f in facts for d in f.doc_ids]
+    docs += demo[: max(n_docs - len(docs), 0)]
+    rng.shuffle(docs)
+    path = work / "corpus.jsonl"
+    work.mkdir(parents=True, exist_ok=True)
+    with open(path, "w") as fh:
+        for d in docs:
+            fh.write(json.dumps(d) + "\n")
+    return path, facts
+
+
+def split(corpus: Path, val_fraction: float) -> tuple[list[dict], list[dict]]:
+    docs = [json.loads(line) for line in open(corpus)]
+    return ([d for d in docs if not is_validation(d["id"], val_fraction)],
+            [d for d in docs if is_validation(d["id"], val_fraction)])
+
+
+def make_queries(facts, indexed_ids: set[str], heldout: list[dict], tok, n_heldout: int) -> list[dict]:
+    qs = []
+    for f in facts:
+        wanted = sorted(set(f.doc_ids) & indexed_ids)
+        if wanted:
+            for kind, prompt in (("verbatim", f.prompt), ("paraphrase", f.paraphrase)):
+                qs.append({"kind": kind, "fact": f.fact_id, "prompt": prompt, "completion": f.answer,
+                           "planted": wanted})
+    for d in heldout:
+        ids = tok.encode(d["text"]).ids
+        if len(ids) >= 24:
+            qs.append({"kind": "heldout", "doc": d["id"], "prompt": tok.decode(ids[:16]),
+                       "completion": tok.decode(ids[16:32])})
+        if sum(q["kind"] == "heldout" for q in qs) >= n_heldout:
+            break
+    for q in qs:
+        q["prompt_ids"] = tok.encode(q["prompt"]).ids
+        q["completion_ids"] = tok.encode(q["completion"]).ids
+    return qs
+
+
+def train(corpus: Path, out: Path, steps: int, tokenizer: Path | None = None) -> Path:
+    from prism_tda.model import checkpoint as ckpt
+    from prism_tda.model.train import Trainer
+
+    if (out / "latest").exists():
+        return ckpt.resolve(out)
+    model_cfg, train_cfg = build_configs("tiny", None, MODEL + [f"train.max_steps={steps}"])
+    t = Trainer(model_cfg, train_cfg, [str(corpus)], out, tokenizer_path=tokenizer, progress=False).setup()
+    return t.fit()
+
+
+# --------------------------------------------------------------------------- methods (each in a child process)
+def _run_method(method: str, work: Path, index_dir: Path, queries: list[dict], candidates: int) -> None:
+    torch.set_num_threads(2)
+    import baselines
+
+    from prism_tda.attribution import Attributor
+    from prism_tda.indexer import store
+    from prism_tda.model import checkpoint as ckpt
+
+    docs = pq.read_table(index_dir / "documents", columns=["doc_id", "text"]).to_pydict()
+    n_docs = len(docs["doc_id"])
+    seqs = pq.read_table(index_dir / "sequences", columns=["doc_id", "token_ids", "target_ids"]).to_pydict()
+    seq_doc = np.asarray(seqs["doc_id"])
+    out: dict = {"method": method}
+    t0 = time.perf_counter()
+    if method == "prism":
+        att = Attributor.open(index_dir)
+        out["setup_seconds"] = time.perf_counter() - t0
+        res = {"prism_fast": [], "prism_exact": [], "prism_exact_raw_sum": []}
+        times = {"fast": [], "exact": []}
+        top = {"fast": [], "exact": []}
+        cand_recall = []
+        for q in queries:
+            for mode in ("fast", "exact"):
+                r = att.attribute(q["prompt"], q["completion"], mode=mode, top_k=10, n_candidates=candidates)
+                times[mode].append(r["timings_ms"]["total"] / 1e3)
+                top[mode].append([d["doc_id"] for d in r["documents"]])
+            qq = att.encode_query(q["prompt"], q["completion"])
+            fast = att.document_scores(qq, "fast", candidates)
+            exact = att.document_scores(qq, "exact")
+            res["prism_fast"].append(fast["cosine_max"])
+            res["prism_exact"].append(exact["cosine_max"])
+            res["prism_exact_raw_sum"].append(exact["raw_sum"])
+            seqs_c, _ = att.candidate_rows(qq, candidates)
+            cand_docs = set(att.seq_doc[seqs_c].tolist())
+            cand_recall.append(len(set(top["exact"][-1]) & cand_docs) / max(len(top["exact"][-1]), 1))
+        for k, v in res.items():
+            np.save(work / f"scores_{k}.npy", np.stack(v).astype(np.float32))
+        out |= {"seconds_per_query_fast": float(np.median(times["fast"])),
+                "seconds_per_query_exact": float(np.median(times["exact"])),
+                "top10_fast": top["fast"], "top10_exact": top["exact"], "candidate_recall": cand_recall}
+    elif method in ("ekfac", "trak"):
+        model, _, _ = ckpt.load_checkpoint(store.read_manifest(index_dir)["checkpoint"])
+        block = model.cfg.block_size
+        train_ds = baselines.TokenDataset.from_sequences(seqs["token_ids"], seqs["target_ids"], block)
+        query_ds = baselines.TokenDataset.from_queries([(q["prompt_ids"], q["completion_ids"]) for q in queries], block)
+        fn = baselines.ekfac_scores if method == "ekfac" else baselines.trak_scores
+        r = fn(model, train_ds, query_ds, work / f"{method}_store")
+        per_doc = np.zeros((len(queries), n_docs), dtype=np.float64)
+        for s, d in enumerate(seq_doc):  # a document's score = sum over its sequences
+            per_doc[:, d] += r["scores"][:, s]
+        np.save(work / f"scores_{method}.npy", per_doc.astype(np.float32))
+        out |= {"setup_seconds": r["fit_seconds"], "score_seconds": r["score_seconds"],
+                "seconds_per_query": r["score_seconds"] / len(queries), "n_train_sequences": len(train_ds),
+                "n_params": sum(p.numel() for p in model.parameters())}
+        out |= {k: r[k] for k in ("proj_dim",) if k in r}
+    elif method == "bm25":
+        r = baselines.bm25_scores(docs["text"], [q["prompt"] + q["completion"] for q in queries])
+        np.save(work / "scores_bm25.npy", r["scores"].astype(np.float32))
+        out |= {"setup_seconds": r["fit_seconds"], "seconds_per_query": r["score_seconds"] / len(queries)}
+    out["peak_rss_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    (work / f"method_{method}.json").write_text(json.dumps(out))
+
+
+def run_method(method: str, work: Path, index_dir: Path, queries: list[dict], candidates: int) -> dict:
+    done = work / f"method_{method}.json"
+    if not done.exists():
+        p = mp.get_context("spawn").Process(target=_run_method, args=(method, work, index_dir, queries, candidates))
+        t0 = time.perf_counter()
+        p.start()
+        p.join()
+        if p.exitcode != 0:
+            raise SystemExit(f"method {method} failed (exit code {p.exitcode})")
+        print(f"[{method}] {time.perf_counter() - t0:.0f} s", flush=True)
+    return json.loads(done.read_text())
+
+
+# --------------------------------------------------------------------------- metrics
+def spearman(a: np.ndarray, b: np.ndarray) -> float:
+    ra = np.argsort(np.argsort(a, kind="stable"), kind="stable").astype(float)
+    rb = np.argsort(np.argsort(b, kind="stable"), kind="stable").astype(float)
+    if ra.std() == 0 or rb.std() == 0:
+        return 0.0
+    return float(np.corrcoef(ra, rb)[0, 1])
+
+
+def rank_of(scores: np.ndarray, wanted: set[int]) -> int | None:
+    order = np.argsort(-scores, kind="stable")[:50]
+    for i, d in enumerate(order):
+        if int(d) in wanted and scores[d] != 0:
             return i + 1
     return None
 
 
 def summarise(ranks: list[int | None]) -> dict:
     n = max(len(ranks), 1)
-    return {"n": len(ranks),
-            "recall_at_1": sum(1 for r in ranks if r == 1) / n,
-            "recall_at_10": sum(1 for r in ranks if r is not None and r <= 10) / n,
+    return {"n": len(ranks), "recall_at_1": sum(r == 1 for r in ranks) / n,
+            "recall_at_10": sum(r is not None and r <= 10 for r in ranks) / n,
             "mrr": sum(1.0 / r for r in ranks if r is not None) / n}
 
 
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--docs", type=int, default=2000, help="documents in the corpus (facts included)")
     ap.add_argument("--facts", type=int, default=30)
     ap.add_argument("--copies", type=int, default=6)
-    ap.add_argument("--steps", type=int, default=1500)
-    ap.add_argument("--work", default="runs/bench_attribution")
+    ap.add_argument("--epochs", type=float, default=4.0, help="passes over the training tokens")
+    ap.add_argument("--subsets", type=int, default=32, help="LDS retrainings on random halves (>= 16)")
+    ap.add_argument("--heldout", type=int, default=40, help="held-out document queries")
     ap.add_argument("--candidates", type=int, default=256)
+    ap.add_argument("--methods", default=",".join(["prism", "ekfac", "trak", "bm25"]))
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--work", default="runs/bench_lds")
     ap.add_argument("--out", default="bench/results/attribution.json")
     args = ap.parse_args(argv)
+    torch.set_num_threads(2)
     work = Path(args.work)
-    facts = make_facts(args.facts, args.copies)
-    corpus = write_corpus(work, facts)
+    corpus, facts = build_corpus(work, args.docs, args.facts, args.copies, args.seed)
+    _, train_cfg = build_configs("tiny", None, MODEL)
+    train_docs, val_docs = split(corpus, train_cfg.val_fraction)
+    train_path = work / "train.jsonl"
+    with open(train_path, "w") as fh:
+        for d in train_docs:
+            fh.write(json.dumps(d) + "\n")
 
-    model_cfg, train_cfg = build_configs("tiny", None, [f"train.max_steps={args.steps}"])
+    from prism_tda.indexer.run import build_index
+    from prism_tda.model import checkpoint as ckpt
+    from prism_tda.model.tokenizer import load_tokenizer
+
+    # steps for a number of epochs over the training tokens (tokenizer of a first, probing run)
     t0 = time.perf_counter()
-    trainer = Trainer(model_cfg, train_cfg, [str(corpus)], work / "run", progress=False).setup()
-    if trainer.step < train_cfg.max_steps:
-        trainer.fit()
+    tok_path = work / "tokenizer.json"
+    if not tok_path.exists():
+        from prism_tda.model.tokenizer import train_tokenizer
+
+        train_tokenizer([d["text"] for d in train_docs], 2048).save(str(tok_path))
+    tok = load_tokenizer(tok_path)
+    n_tokens = sum(len(tok.encode(d["text"]).ids) + 1 for d in train_docs)
+    tokens_per_step = train_cfg.batch_size * 64
+
+    def steps_for(n: int) -> int:
+        return max(int(args.epochs * n / tokens_per_step), 50)
+
+    full_steps = steps_for(n_tokens)
+    ck = train(corpus, work / "model", full_steps, tok_path)
     train_s = time.perf_counter() - t0
-    ck = ckpt.resolve(work / "run")
-
-    # index the training split only (what the model was trained on)
-    train_corpus = work / "train.jsonl"
-    with open(corpus) as src, open(train_corpus, "w") as dst:
-        for line in src:
-            if not is_validation(json.loads(line)["id"], train_cfg.val_fraction):
-                dst.write(line)
-    index_dir = work / f"index_{ck.name}"  # one index per checkpoint
+    index_dir = work / "index"
     t0 = time.perf_counter()
-    build_index(ck, [str(train_corpus)], index_dir, progress=False)
+    if not (index_dir / "manifest.json").exists():
+        build_index(ck, [str(train_path)], index_dir, progress=False)
     index_s = time.perf_counter() - t0
+    docs = pq.read_table(index_dir / "documents", columns=["doc_id", "external_id"]).to_pydict()
+    ext_to_doc = dict(zip(docs["external_id"], docs["doc_id"], strict=True))
+    n_docs = len(ext_to_doc)
+    queries = make_queries(facts, set(ext_to_doc), val_docs, tok, args.heldout)
+    (work / "queries.json").write_text(json.dumps(queries, indent=1))
 
-    att = Attributor.open(index_dir)
-    docs = pq.read_table(sorted((index_dir / "documents").glob("*.parquet")),
-                         columns=["doc_id", "external_id", "text"]).to_pydict()
-    ext = docs["external_id"]
-    rss_prism = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    # memorised facts: greedy decoding of the full model completes the answer
+    model, _, _ = ckpt.load_checkpoint(ck)
+    for q in queries:
+        if q["kind"] != "heldout":
+            x = torch.tensor([q["prompt_ids"]])
+            y = model.generate(x, len(q["completion_ids"]))
+            q["memorised"] = tok.decode(y[0, x.shape[1]:].tolist()).strip() == q["completion"].strip()
 
-    from rank_bm25 import BM25Okapi
+    # ---- each method scores every (query, document) pair
+    info = {m: run_method(m, work, index_dir, queries, args.candidates) for m in args.methods.split(",")}
+    scores = {m: np.load(work / f"scores_{m}.npy") for m in METHODS if (work / f"scores_{m}.npy").exists()}
 
-    t0 = time.perf_counter()
-    bm25 = BM25Okapi([t.lower().split() for t in docs["text"]])
-    bm25_setup_s = time.perf_counter() - t0
+    # ---- LDS: retrain on random halves, measure query losses
+    import baselines
 
-    indexed = set(ext)
-    rows = []
-    overlaps, cand_recalls, times = [], [], {"fast": [], "exact": [], "bm25": []}
-    tok = att.tokenizer
-    for f in facts:
-        wanted = set(f.doc_ids) & indexed
-        if not wanted:
-            continue
-        ids = tok.encode(f.prompt).ids
-        gen = att.model.generate(torch.tensor([ids]), len(tok.encode(f.answer).ids))
-        memorised = tok.decode(gen[0, len(ids):].tolist()).strip() == f.answer.strip()
-        for kind, prompt in (("verbatim", f.prompt), ("paraphrase", f.paraphrase)):
-            row = {"fact": f.fact_id, "kind": kind, "memorised": memorised}
-            res = {}
-            for mode in ("fast", "exact"):
-                r = att.attribute(prompt, f.answer, mode=mode, top_k=50, n_candidates=args.candidates)
-                times[mode].append(r["timings_ms"]["total"] / 1e3)
-                res[mode] = [ext[d["doc_id"]] for d in r["documents"]]
-                row[mode] = rank_of(res[mode], wanted)
-            top_f, top_e = set(res["fast"][:10]), set(res["exact"][:10])
-            overlaps.append(len(top_f & top_e) / max(len(top_e), 1))
-            q = att.encode_query(prompt, f.answer)
-            seqs, _ = att.candidate_rows(q, args.candidates)
-            cand_docs = {ext[int(d)] for d in att.seq_doc[seqs]}
-            cand_recalls.append(len(top_e & cand_docs) / max(len(top_e), 1))
-            t1 = time.perf_counter()
-            scores = bm25.get_scores((prompt + f.answer).lower().split())
-            times["bm25"].append(time.perf_counter() - t1)
-            row["bm25"] = rank_of([ext[i] for i in np.argsort(-scores)[:50]], wanted)
-            rows.append(row)
+    rng = np.random.default_rng(args.seed)
+    doc_ids_sorted = np.array(sorted(ext_to_doc.values()))
+    masks, losses = [], []
+    lds_dir = work / "lds"
+    lds_dir.mkdir(exist_ok=True)
+    query_ds = baselines.TokenDataset.from_queries([(q["prompt_ids"], q["completion_ids"]) for q in queries],
+                                                   model.cfg.block_size)
+    full_loss = baselines.query_losses(model, query_ds)
+    doc_by_ext = {d["id"]: d for d in train_docs}
+    t_lds = time.perf_counter()
+    for j in range(args.subsets):
+        pick = rng.choice(n_docs, n_docs // 2, replace=False)
+        mask = np.zeros(n_docs, dtype=bool)
+        mask[doc_ids_sorted[pick]] = True
+        masks.append(mask)
+        res_path = lds_dir / f"subset_{j:03d}.json"
+        if not res_path.exists():
+            sub = lds_dir / f"subset_{j:03d}.jsonl"
+            inv = {v: k for k, v in ext_to_doc.items()}
+            with open(sub, "w") as fh:
+                for d in np.nonzero(mask)[0]:
+                    fh.write(json.dumps(doc_by_ext[inv[int(d)]]) + "\n")
+                for d in val_docs:  # held out by id in every run, as in the full run
+                    fh.write(json.dumps(d) + "\n")
+            n_sub = sum(len(tok.encode(doc_by_ext[inv[int(d)]]["text"]).ids) + 1 for d in np.nonzero(mask)[0])
+            t0 = time.perf_counter()
+            sub_ck = train(sub, lds_dir / f"run_{j:03d}", steps_for(n_sub), tok_path)
+            m_j, _, _ = ckpt.load_checkpoint(sub_ck)
+            loss_j = baselines.query_losses(m_j, query_ds)
+            res_path.write_text(json.dumps({"loss": loss_j.tolist(), "seconds": time.perf_counter() - t0}))
+            print(f"[lds] subset {j + 1}/{args.subsets}: {time.perf_counter() - t0:.0f} s", flush=True)
+        losses.append(json.loads(res_path.read_text())["loss"])
+    lds_s = time.perf_counter() - t_lds
+    masks_a, losses_a = np.stack(masks).astype(np.float64), np.asarray(losses)  # (M, n_docs), (M, n_queries)
 
-    def group(method: str, kind: str, mem: bool | None = None) -> dict:
-        return summarise([r[method] for r in rows if r["kind"] == kind and (mem is None or r["memorised"] == mem)])
+    def lds(method: str, kinds: tuple[str, ...]) -> float:
+        sel = [i for i, q in enumerate(queries) if q["kind"] in kinds]
+        pred = masks_a @ scores[method][sel].T.astype(np.float64)  # (M, n_sel)
+        return float(np.mean([spearman(pred[:, n], -losses_a[:, i]) for n, i in enumerate(sel)]))
 
+    # ---- planted facts
     res: dict = {"per_method": {}}
-    for m in ("fast", "exact", "bm25"):
-        res["per_method"][m] = {f"{k}{'' if mem is None else ('_memorised' if mem else '_not_memorised')}":
-                                group(m, k, mem) for k in ("verbatim", "paraphrase") for mem in (None, True, False)}
+    for m in scores:
+        per = {}
+        for kind in ("verbatim", "paraphrase"):
+            for mem in (None, True, False):
+                ranks = [rank_of(scores[m][i], {ext_to_doc[e] for e in q["planted"]})
+                         for i, q in enumerate(queries)
+                         if q["kind"] == kind and (mem is None or q["memorised"] == mem)]
+                per[f"{kind}{'' if mem is None else ('_memorised' if mem else '_not_memorised')}"] = summarise(ranks)
+        per["lds"] = lds(m, ("verbatim", "heldout"))
+        per["lds_heldout"] = lds(m, ("heldout",))
+        per["lds_facts"] = lds(m, ("verbatim",))
+        per["lds_paraphrase"] = lds(m, ("paraphrase",))
+        res["per_method"][m] = per
     pm = res["per_method"]
+    pr = info["prism"]
+    overlaps = [len(set(f) & set(e)) / max(len(e), 1) for f, e in zip(pr["top10_fast"], pr["top10_exact"], strict=True)]
+    ek = info.get("ekfac", {})
+    res |= {f"lds_{m}": pm[m]["lds"] for m in pm}
     res |= {
-        "canary_recall_at_10_verbatim": pm["fast"]["verbatim"]["recall_at_10"],
-        "canary_recall_at_10_paraphrase": pm["fast"]["paraphrase"]["recall_at_10"],
-        "canary_mrr_verbatim_fast": pm["fast"]["verbatim"]["mrr"],
-        "canary_mrr_verbatim_exact": pm["exact"]["verbatim"]["mrr"],
-        "canary_mrr_verbatim_bm25": pm["bm25"]["verbatim"]["mrr"],
+        "canary_recall_at_10_verbatim": pm["prism_fast"]["verbatim"]["recall_at_10"],
+        "canary_recall_at_10_paraphrase": pm["prism_fast"]["paraphrase"]["recall_at_10"],
         "overlap_at_10_fast_vs_exact": float(np.mean(overlaps)),
-        "candidate_recall_of_exact_top10": float(np.mean(cand_recalls)),
-        "seconds_per_query_prism_fast": float(np.median(times["fast"])),
-        "seconds_per_query_prism_exact": float(np.median(times["exact"])),
-        "seconds_per_query_bm25": float(np.median(times["bm25"])),
+        "candidate_recall_of_exact_top10": float(np.mean(pr["candidate_recall"])),
+        "seconds_per_query_prism_fast": pr["seconds_per_query_fast"],
+        "seconds_per_query_prism_exact": pr["seconds_per_query_exact"],
+        "seconds_per_query_ekfac": ek.get("seconds_per_query"),
+        "seconds_per_query_trak": info.get("trak", {}).get("seconds_per_query"),
+        "seconds_per_query_bm25": info.get("bm25", {}).get("seconds_per_query"),
+        "speedup_vs_ekfac_per_query": (ek["seconds_per_query"] / pr["seconds_per_query_fast"]) if ek else None,
+        "peak_rss_mb_prism": pr["peak_rss_mb"],
+        "peak_rss_mb_ekfac": ek.get("peak_rss_mb"),
+        "peak_rss_mb_trak": info.get("trak", {}).get("peak_rss_mb"),
+        "peak_rss_mb_bm25": info.get("bm25", {}).get("peak_rss_mb"),
         "setup_seconds": {"prism_train": round(train_s, 1), "prism_index": round(index_s, 1),
-                          "prism_open": round(att.load_seconds, 2), "bm25": round(bm25_setup_s, 2)},
-        "peak_rss_mb_prism": rss_prism,
-        "facts": len(facts), "copies": args.copies, "memorised_facts": len({r["fact"] for r in rows if r["memorised"]}),
-        "queries": rows,
-        "not_measured": ["lds_*", "ekfac (kronfluence)", "trak (traker)"],
+                          "prism_open": round(pr["setup_seconds"], 2),
+                          **{m: round(info[m]["setup_seconds"], 1) for m in info if m != "prism"}},
+        "lds_retrain_seconds": round(lds_s, 1),
+        "corpus": {"documents": n_docs, "train_tokens": n_tokens, "validation_documents": len(val_docs),
+                   "train_sequences": ek.get("n_train_sequences"), "facts": len(facts), "copies": args.copies},
+        "queries": {k: sum(q["kind"] == k for q in queries) for k in ("verbatim", "paraphrase", "heldout")},
+        "memorised_facts": sum(q.get("memorised", False) for q in queries if q["kind"] == "verbatim"),
+        "full_model_mean_query_loss": float(full_loss.mean()),
+        "subset_loss_spread": float(losses_a.std(0).mean()),
+        "methods": {m: {k: v for k, v in info[m].items() if k not in ("top10_fast", "top10_exact", "candidate_recall")}
+                    for m in info},
     }
-    res["config"] = {"steps": args.steps, "candidates": args.candidates, "model": model_cfg.to_dict()}
+    res["config"] = {"subsets": args.subsets, "epochs": args.epochs, "full_steps": full_steps,
+                     "candidates": args.candidates, "model": model.cfg.to_dict()}
     return finish(res, "attribution/run_eval.py", argv, args.out)
 
 

@@ -1,0 +1,161 @@
+"""Planted-fact evaluation of PRISM attribution (fast and exact) against BM25, in one run.
+
+Builds the demo corpus plus invented facts (several copies each), trains the tiny PRISM model on
+it (or reuses it), indexes the training split, and asks every fact with its verbatim and its
+paraphrased prompt. Reports recall@1/@10 and MRR of the planted documents per method, prompt kind
+and memorised / not memorised facts; top-10 overlap of the fast path with the exact path and the
+candidate stage's recall of the exact top-10; time per query.
+
+    python bench/attribution/planted_full.py --facts 30 --copies 6 --steps 1500
+
+The whole demo corpus is too large for the baselines that need gradients of every training example
+on 2 cores; ``run_eval.py`` compares all methods (and LDS) on a smaller corpus.
+Writes ``bench/results/attribution_planted_full.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import resource
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pyarrow.parquet as pq
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from _common import finish  # noqa: E402
+from planted import make_facts, write_corpus  # noqa: E402
+
+from prism_tda.attribution import Attributor  # noqa: E402
+from prism_tda.cli import build_configs  # noqa: E402
+from prism_tda.corpus import is_validation  # noqa: E402
+from prism_tda.indexer.run import build_index  # noqa: E402
+from prism_tda.model import checkpoint as ckpt  # noqa: E402
+from prism_tda.model.train import Trainer  # noqa: E402
+
+
+def rank_of(ranked: list[str], wanted: set[str]) -> int | None:
+    for i, d in enumerate(ranked):
+        if d in wanted:
+            return i + 1
+    return None
+
+
+def summarise(ranks: list[int | None]) -> dict:
+    n = max(len(ranks), 1)
+    return {"n": len(ranks),
+            "recall_at_1": sum(1 for r in ranks if r == 1) / n,
+            "recall_at_10": sum(1 for r in ranks if r is not None and r <= 10) / n,
+            "mrr": sum(1.0 / r for r in ranks if r is not None) / n}
+
+
+def main(argv: list[str] | None = None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--facts", type=int, default=30)
+    ap.add_argument("--copies", type=int, default=6)
+    ap.add_argument("--steps", type=int, default=1500)
+    ap.add_argument("--work", default="runs/bench_attribution")
+    ap.add_argument("--candidates", type=int, default=256)
+    ap.add_argument("--out", default="bench/results/attribution_planted_full.json")
+    args = ap.parse_args(argv)
+    work = Path(args.work)
+    facts = make_facts(args.facts, args.copies)
+    corpus = write_corpus(work, facts)
+
+    model_cfg, train_cfg = build_configs("tiny", None, [f"train.max_steps={args.steps}"])
+    t0 = time.perf_counter()
+    trainer = Trainer(model_cfg, train_cfg, [str(corpus)], work / "run", progress=False).setup()
+    if trainer.step < train_cfg.max_steps:
+        trainer.fit()
+    train_s = time.perf_counter() - t0
+    ck = ckpt.resolve(work / "run")
+
+    # index the training split only (what the model was trained on)
+    train_corpus = work / "train.jsonl"
+    with open(corpus) as src, open(train_corpus, "w") as dst:
+        for line in src:
+            if not is_validation(json.loads(line)["id"], train_cfg.val_fraction):
+                dst.write(line)
+    index_dir = work / f"index_{ck.name}"  # one index per checkpoint
+    t0 = time.perf_counter()
+    build_index(ck, [str(train_corpus)], index_dir, progress=False)
+    index_s = time.perf_counter() - t0
+
+    att = Attributor.open(index_dir)
+    docs = pq.read_table(sorted((index_dir / "documents").glob("*.parquet")),
+                         columns=["doc_id", "external_id", "text"]).to_pydict()
+    ext = docs["external_id"]
+    rss_prism = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+    from rank_bm25 import BM25Okapi
+
+    t0 = time.perf_counter()
+    bm25 = BM25Okapi([t.lower().split() for t in docs["text"]])
+    bm25_setup_s = time.perf_counter() - t0
+
+    indexed = set(ext)
+    rows = []
+    overlaps, cand_recalls, times = [], [], {"fast": [], "exact": [], "bm25": []}
+    tok = att.tokenizer
+    for f in facts:
+        wanted = set(f.doc_ids) & indexed
+        if not wanted:
+            continue
+        ids = tok.encode(f.prompt).ids
+        gen = att.model.generate(torch.tensor([ids]), len(tok.encode(f.answer).ids))
+        memorised = tok.decode(gen[0, len(ids):].tolist()).strip() == f.answer.strip()
+        for kind, prompt in (("verbatim", f.prompt), ("paraphrase", f.paraphrase)):
+            row = {"fact": f.fact_id, "kind": kind, "memorised": memorised}
+            res = {}
+            for mode in ("fast", "exact"):
+                r = att.attribute(prompt, f.answer, mode=mode, top_k=50, n_candidates=args.candidates)
+                times[mode].append(r["timings_ms"]["total"] / 1e3)
+                res[mode] = [ext[d["doc_id"]] for d in r["documents"]]
+                row[mode] = rank_of(res[mode], wanted)
+            top_f, top_e = set(res["fast"][:10]), set(res["exact"][:10])
+            overlaps.append(len(top_f & top_e) / max(len(top_e), 1))
+            q = att.encode_query(prompt, f.answer)
+            seqs, _ = att.candidate_rows(q, args.candidates)
+            cand_docs = {ext[int(d)] for d in att.seq_doc[seqs]}
+            cand_recalls.append(len(top_e & cand_docs) / max(len(top_e), 1))
+            t1 = time.perf_counter()
+            scores = bm25.get_scores((prompt + f.answer).lower().split())
+            times["bm25"].append(time.perf_counter() - t1)
+            row["bm25"] = rank_of([ext[i] for i in np.argsort(-scores)[:50]], wanted)
+            rows.append(row)
+
+    def group(method: str, kind: str, mem: bool | None = None) -> dict:
+        return summarise([r[method] for r in rows if r["kind"] == kind and (mem is None or r["memorised"] == mem)])
+
+    res: dict = {"per_method": {}}
+    for m in ("fast", "exact", "bm25"):
+        res["per_method"][m] = {f"{k}{'' if mem is None else ('_memorised' if mem else '_not_memorised')}":
+                                group(m, k, mem) for k in ("verbatim", "paraphrase") for mem in (None, True, False)}
+    pm = res["per_method"]
+    res |= {
+        "canary_recall_at_10_verbatim": pm["fast"]["verbatim"]["recall_at_10"],
+        "canary_recall_at_10_paraphrase": pm["fast"]["paraphrase"]["recall_at_10"],
+        "canary_mrr_verbatim_fast": pm["fast"]["verbatim"]["mrr"],
+        "canary_mrr_verbatim_exact": pm["exact"]["verbatim"]["mrr"],
+        "canary_mrr_verbatim_bm25": pm["bm25"]["verbatim"]["mrr"],
+        "overlap_at_10_fast_vs_exact": float(np.mean(overlaps)),
+        "candidate_recall_of_exact_top10": float(np.mean(cand_recalls)),
+        "seconds_per_query_prism_fast": float(np.median(times["fast"])),
+        "seconds_per_query_prism_exact": float(np.median(times["exact"])),
+        "seconds_per_query_bm25": float(np.median(times["bm25"])),
+        "setup_seconds": {"prism_train": round(train_s, 1), "prism_index": round(index_s, 1),
+                          "prism_open": round(att.load_seconds, 2), "bm25": round(bm25_setup_s, 2)},
+        "peak_rss_mb_prism": rss_prism,
+        "facts": len(facts), "copies": args.copies, "memorised_facts": len({r["fact"] for r in rows if r["memorised"]}),
+        "queries": rows,
+    }
+    res["config"] = {"steps": args.steps, "candidates": args.candidates, "model": model_cfg.to_dict()}
+    return finish(res, "attribution/planted_full.py", argv, args.out)
+
+
+if __name__ == "__main__":
+    main()

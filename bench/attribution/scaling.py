@@ -1,0 +1,150 @@
+"""Time per query against corpus size, per method, with the evaluation model of ``run_eval.py``.
+
+For each corpus size (demo documents), index the corpus with PRISM and time queries with PRISM fast
+and exact, EK-FAC (kronfluence: factors fitted on that corpus, then pairwise scores), TRAK (up to
+``--trak-max-docs``: featurising every training example is its set-up) and BM25. Every method runs
+in its own process and reports set-up seconds, seconds per query and peak RSS.
+
+    python bench/attribution/scaling.py --model runs/bench_lds/model
+
+Writes ``bench/results/attribution_scaling.json`` and ``docs/img/attribution_scaling.png``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gzip
+import json
+import multiprocessing as mp
+import random
+import resource
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pyarrow.parquet as pq
+import torch
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parent))
+sys.path.insert(0, str(HERE))
+from _common import finish  # noqa: E402
+
+from prism_tda import demo_corpus_path  # noqa: E402
+
+QUERIES = [("A computer", " is a machine"), ("Love is", " a many splendored thing"), ("The only way to", " be"),
+           ("Never trust a", " man who"), ("It is better to", " have loved and lost"),
+           ("Nothing is", " impossible"), ("Life is", " what happens"), ("A fool and his", " money")]
+
+
+def _time_method(method: str, index_dir: str, out_json: str, queries: list[tuple[str, str]]) -> None:
+    torch.set_num_threads(2)
+    import baselines
+
+    from prism_tda.attribution import Attributor
+    from prism_tda.indexer import store
+    from prism_tda.model import checkpoint as ckpt
+
+    index = Path(index_dir)
+    work = Path(out_json).parent / f"{method}_store"
+    out: dict = {}
+    t0 = time.perf_counter()
+    if method.startswith("prism"):
+        att = Attributor.open(index)
+        out["setup_seconds"] = time.perf_counter() - t0
+        mode = method.split("_")[1]
+        att.attribute(*queries[0], mode=mode)  # warm
+        ts = [att.attribute(p, c, mode=mode)["timings_ms"]["total"] / 1e3 for p, c in queries]
+        out["seconds_per_query"] = float(np.median(ts))
+    elif method in ("ekfac", "trak"):
+        model, tok, _ = ckpt.load_checkpoint(store.read_manifest(index)["checkpoint"])
+        seqs = pq.read_table(index / "sequences", columns=["token_ids", "target_ids"]).to_pydict()
+        block = model.cfg.block_size
+        train = baselines.TokenDataset.from_sequences(seqs["token_ids"], seqs["target_ids"], block)
+        qs = baselines.TokenDataset.from_queries([(tok.encode(p).ids, tok.encode(c).ids) for p, c in queries], block)
+        r = (baselines.ekfac_scores if method == "ekfac" else baselines.trak_scores)(model, train, qs, work)
+        out |= {"setup_seconds": r["fit_seconds"], "seconds_per_query": r["score_seconds"] / len(queries)}
+    elif method == "bm25":
+        docs = pq.read_table(index / "documents", columns=["text"])["text"].to_pylist()
+        r = baselines.bm25_scores(docs, [p + c for p, c in queries])
+        out |= {"setup_seconds": r["fit_seconds"], "seconds_per_query": r["score_seconds"] / len(queries)}
+    out["peak_rss_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    Path(out_json).write_text(json.dumps(out))
+
+
+def main(argv: list[str] | None = None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="runs/bench_lds/model", help="checkpoint directory (run_eval.py's model)")
+    ap.add_argument("--sizes", default="250,500,1000,2000,4000")
+    ap.add_argument("--trak-max-docs", type=int, default=1000)
+    ap.add_argument("--work", default="runs/bench_scaling")
+    ap.add_argument("--out", default="bench/results/attribution_scaling.json")
+    ap.add_argument("--plot", default="docs/img/attribution_scaling.png")
+    args = ap.parse_args(argv)
+    from prism_tda.indexer.run import build_index
+    from prism_tda.model import checkpoint as ckpt
+
+    ck = ckpt.resolve(args.model)
+    work = Path(args.work)
+    with gzip.open(demo_corpus_path(), "rt") as fh:
+        demo = [json.loads(line) for line in fh]
+    random.Random(7).shuffle(demo)
+    rows = []
+    for n in [int(s) for s in args.sizes.split(",")]:
+        d = work / f"n{n}"
+        d.mkdir(parents=True, exist_ok=True)
+        corpus = d / "corpus.jsonl"
+        with open(corpus, "w") as fh:
+            for doc in demo[:n]:
+                fh.write(json.dumps(doc) + "\n")
+        t0 = time.perf_counter()
+        if not (d / "index" / "manifest.json").exists():
+            build_index(ck, [str(corpus)], d / "index", progress=False)
+        index_s = time.perf_counter() - t0
+        n_seq = pq.read_metadata(next((d / "index" / "sequences").glob("*.parquet"))).num_rows
+        for method in ("prism_fast", "prism_exact", "ekfac", "trak", "bm25"):
+            if method == "trak" and n > args.trak_max_docs:
+                continue
+            res = d / f"{method}.json"
+            if not res.exists():
+                p = mp.get_context("spawn").Process(target=_time_method,
+                                                    args=(method, str(d / "index"), str(res), QUERIES))
+                p.start()
+                p.join()
+                if p.exitcode != 0:
+                    raise SystemExit(f"{method} at {n} documents failed (exit code {p.exitcode})")
+            r = json.loads(res.read_text())
+            if method.startswith("prism"):
+                r["index_seconds"] = index_s
+            rows.append({"documents": n, "sequences": n_seq, "method": method, **r})
+            print(json.dumps(rows[-1]), flush=True)
+
+    by = {(r["documents"], r["method"]): r for r in rows}
+    sizes = sorted({r["documents"] for r in rows})
+    speedup = {n: by[(n, "ekfac")]["seconds_per_query"] / by[(n, "prism_fast")]["seconds_per_query"] for n in sizes}
+    res = {"rows": rows, "speedup_vs_ekfac_per_query_by_documents": speedup}
+
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6.4, 4.2), dpi=120)
+    for m, style in [("prism_fast", "o-"), ("prism_exact", "s--"), ("ekfac", "^-"), ("trak", "v-"), ("bm25", "d:")]:
+        pts = [(n, by[(n, m)]["seconds_per_query"]) for n in sizes if (n, m) in by]
+        if pts:
+            ax.plot(*zip(*pts, strict=True), style, label=m)
+    ax.set(xscale="log", yscale="log", xlabel="training documents", ylabel="seconds per query",
+           title="Time per query vs corpus size (2 CPU cores)")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    Path(args.plot).parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(args.plot)
+    res["plot"] = args.plot
+    return finish(res, "attribution/scaling.py", argv, args.out)
+
+
+if __name__ == "__main__":
+    main()
