@@ -187,13 +187,23 @@ class Attributor:
 
         Returns (token rows, summed influence per token, per activation row value, activation row ->
         index into the token rows)."""
-        Wq = (q.G * self.inv).numpy()  # (K, u_dim) preconditioned query columns
+        active = (q.G.abs().sum(1) > 0).nonzero().flatten()
+        Wq = (q.G[active] * self.inv[active]).float()  # (P, u_dim) preconditioned query columns
+        col = np.full(len(q.G), -1, dtype=np.int64)
+        col[active.numpy()] = np.arange(len(active))
         tok = self.row_tok[rows]
-        u = self.u[tok].astype(np.float32)
-        val = self.row_act[rows] * np.einsum("rj,rj->r", u, Wq[self.row_proto[rows]])
         uniq, inv_idx = np.unique(tok, return_inverse=True)
-        score = np.zeros(len(uniq))
-        np.add.at(score, inv_idx, val)
+        c = col[self.row_proto[rows]]
+        hit = c >= 0
+        val = np.zeros(len(rows), dtype=np.float32)
+        if len(uniq) * len(active) <= 8 * len(rows):
+            # many rows per token (a candidate's whole sequences): one product per token and prototype
+            M = (torch.from_numpy(self.u[uniq]).float() @ Wq.T).numpy()  # (n_tok, P)
+            val[hit] = self.row_act[rows[hit]] * M[inv_idx[hit], c[hit]]
+        else:  # about one row per token (posting lists): one dot per row
+            u = torch.from_numpy(self.u[tok[hit]]).float()
+            val[hit] = self.row_act[rows[hit]] * (u * Wq[torch.from_numpy(c[hit])]).sum(1).numpy()
+        score = np.bincount(inv_idx, weights=val, minlength=len(uniq))
         return uniq, score, val, inv_idx
 
     def _token_cosines(self, q: Query, raw: np.ndarray, tok: np.ndarray) -> np.ndarray:
