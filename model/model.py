@@ -248,9 +248,20 @@ class PRISM(nn.Module):
         *,
         last_only: bool = False,
         return_head: bool = False,
+        suppress: torch.Tensor | None = None,
     ) -> ModelOutput:
-        """Logits and, given targets (B, T), the training loss ``L_CE + sum lam * L_aux``."""
+        """Logits and, given targets (B, T), the training loss ``L_CE + sum lam * L_aux``.
+
+        ``suppress`` (inference only): prototype ids whose activations are zeroed before mixing, so
+        they contribute nothing to the logits: ``l_t = W z_t - sum_{i in K_t & S} a_{t,i} W p_i``.
+        The active sets and the residual ``r_t`` stay those of the unsuppressed model.
+        """
         z = self.hidden(idx)  # (B, T, d)
+        if suppress is not None:
+            if targets is not None or self.head is None:
+                raise ValueError("suppress is for inference with a PRISM head (no targets)")
+            zs = z[:, -1:] if last_only else z
+            return ModelOutput(logits=F.linear(self._suppressed(zs, suppress), self.W), z=z)
         if last_only and targets is None:
             return ModelOutput(logits=F.linear(z[:, -1:], self.W), z=z)
         logits = F.linear(z, self.W)  # (B, T, V) == W r + sum a W p
@@ -277,6 +288,17 @@ class PRISM(nn.Module):
             out.metrics.update(out.head.metrics)
         out.loss = loss
         return out
+
+    @torch.no_grad()
+    def _suppressed(self, z: torch.Tensor, suppress: torch.Tensor) -> torch.Tensor:
+        """z (B, T, d) minus the suppressed prototypes' part of its reconstruction."""
+        assert self.head is not None
+        flat = z.reshape(-1, z.shape[-1])  # (N, d)
+        h = self.head(flat)
+        hit = torch.isin(h.proto_idx, suppress.to(h.proto_idx.device))  # (N, k)
+        P_sel = F.embedding(h.proto_idx, self.head.prototypes.float())  # (N, k, d)
+        removed = torch.einsum("nk,nkd->nd", h.acts * hit, P_sel)  # sum over suppressed a_i p_i
+        return (flat.float() - removed).to(z.dtype).view_as(z)
 
     @torch.no_grad()
     def decompose(
@@ -316,11 +338,15 @@ class PRISM(nn.Module):
         top_k: int | None = None,
         generator: torch.Generator | None = None,
         stop_token: int | None = None,
+        suppress: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """Greedy (temperature 0) or sampled continuation of idx (1, T); returns (1, T + n)."""
+        """Greedy (temperature 0) or sampled continuation of idx (1, T); returns (1, T + n).
+
+        ``suppress``: prototype ids that contribute nothing to the logits (see :meth:`forward`).
+        """
         for _ in range(max_new_tokens):
             ctx = idx[:, -self.cfg.block_size :]
-            logits = self(ctx, last_only=True).logits[:, -1, :].float()  # (1, V)
+            logits = self(ctx, last_only=True, suppress=suppress).logits[:, -1, :].float()  # (1, V)
             if temperature <= 0:
                 nxt = logits.argmax(-1, keepdim=True)
             else:

@@ -213,9 +213,105 @@ def cmd_demo(args: argparse.Namespace) -> int:
     for prompt, text in zip(DEMO_PROMPTS, _generate(str(ckpt_path), DEMO_PROMPTS, 40, 0.8, 40, 0)):
         print(f"\n>>> {prompt}{text}")
     print("\nWhich training documents drove ' is a machine' after 'A computer'?")
-    return cmd_attribute(argparse.Namespace(index=str(out / "index"), prompt="A computer", completion=" is a machine",
-                                            max_new_tokens=None, target_index=None, top_k=5, mode="fast",
-                                            opponents=False, json=False))
+    rc = cmd_attribute(argparse.Namespace(index=str(out / "index"), prompt="A computer", completion=" is a machine",
+                                          max_new_tokens=None, target_index=None, top_k=5, mode="fast",
+                                          opponents=False, json=False))
+    if rc or args.no_serve:
+        return rc
+    print(f"\nServing the demo index on http://127.0.0.1:{args.port} (docs at /docs; Ctrl-C stops)", flush=True)
+    return cmd_serve(argparse.Namespace(index=[f"demo={out / 'index'}"], default_index=None, host="127.0.0.1",
+                                        port=args.port, workers=1, state_dir=str(out / "service-state"),
+                                        log_level=args.log_level, log_format=args.log_format))
+
+
+# ---------------------------------------------------------------------------- service
+def _index_args(items: list[str]) -> dict[str, str]:
+    """``--index DIR`` or ``--index NAME=DIR`` items as {name: dir}; a bare DIR is named after its folder
+    (its parent's name when the folder is called ``index``, e.g. runs/demo/index -> demo)."""
+    from .errors import ConfigError
+
+    out: dict[str, str] = {}
+    for item in items:
+        name, sep, path = item.partition("=")
+        if not sep:
+            p = Path(item).resolve()
+            name, path = (p.parent.name if p.name == "index" else p.name), item
+        if not name or name in out:
+            raise ConfigError(f"--index {item!r}: " + ("empty name" if not name else f"name {name!r} given twice"))
+        out[name] = str(Path(path).resolve())
+    return out
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    import os
+
+    import uvicorn
+    from pydantic import ValidationError
+
+    from .errors import ConfigError
+    from .service.settings import Settings
+
+    env = {"PRISM_INDEXES": json.dumps(_index_args(args.index)), "PRISM_HOST": args.host,
+           "PRISM_PORT": str(args.port), "PRISM_WORKERS": str(args.workers),
+           "PRISM_LOG_LEVEL": args.log_level, "PRISM_LOG_FORMAT": args.log_format}
+    if args.default_index:
+        env["PRISM_DEFAULT_INDEX"] = args.default_index
+    if args.state_dir:
+        env["PRISM_STATE_DIR"] = str(Path(args.state_dir).resolve())
+    os.environ.update(env)  # the server processes read their settings from the environment
+    try:
+        Settings().check_serving()
+    except ValidationError as e:
+        raise ConfigError("; ".join(f"PRISM_{'.'.join(map(str, x['loc'])).upper()}: {x['msg']}"
+                                    for x in e.errors())) from None
+    uvicorn.run("prism_tda.service.app:create_app_from_env", factory=True, host=args.host, port=args.port,
+                workers=args.workers, log_config=None, access_log=False, timeout_graceful_shutdown=10)
+    return 0
+
+
+def cmd_sql(args: argparse.Namespace) -> int:
+    from .service.state import StateDB
+    from .service.store import Store
+
+    (name, index_dir), = _index_args([args.index]).items()
+    store = Store(Path(index_dir), timeout_s=args.timeout, max_rows=args.max_rows, memory_limit=args.memory_limit)
+    state = StateDB(Path(args.state_dir)) if args.state_dir and Path(args.state_dir).is_dir() else None
+    try:
+        res = store.query(args.sql, (lambda: state.audit_results(index_name=name)) if state else None)
+    finally:
+        store.close()
+    if args.json:
+        print(json.dumps(res, indent=2))
+        return 0
+    names = [c["name"] for c in res["columns"]]
+    def cell(v: Any) -> str:
+        if v is None:
+            return "NULL"
+        return v if isinstance(v, str) and v.isprintable() else json.dumps(v, ensure_ascii=False)
+
+    cells = [[cell(v) for v in row] for row in res["rows"]]
+    widths = [min(60, max([len(n)] + [len(r[i]) for r in cells])) for i, n in enumerate(names)]
+    print("  ".join(n.ljust(w) for n, w in zip(names, widths)))
+    print("  ".join("-" * w for w in widths))
+    for r in cells:
+        print("  ".join(v[:w].ljust(w) for v, w in zip(r, widths)))
+    print(f"({res['row_count']} rows, {res['elapsed_ms']:.0f} ms)", file=sys.stderr)
+    return 0
+
+
+def cmd_openapi(args: argparse.Namespace) -> int:
+    from .service.openapi import DEFAULT_PATH, render
+
+    text = render()
+    path = Path(args.out) if args.out else DEFAULT_PATH
+    if args.check:
+        if not path.is_file() or path.read_text() != text:
+            print(f"{path} is out of date; run `prism openapi` to regenerate it", file=sys.stderr)
+            return 1
+        return 0
+    path.write_text(text)
+    print(path)
+    return 0
 
 
 # ---------------------------------------------------------------------------- parser
@@ -290,7 +386,39 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--out", default="runs/demo", help="run directory (default: runs/demo)")
     d.add_argument("--set", action="append", default=[], metavar="SECTION.NAME=VALUE")
     d.add_argument("--no-progress", action="store_true")
+    d.add_argument("--no-serve", action="store_true", help="end after the example instead of serving the index")
+    d.add_argument("--port", type=int, default=8000, help="port of the demo server (default 8000)")
     d.set_defaults(fn=cmd_demo)
+
+    sv = sub.add_parser("serve", help="serve indexes over HTTP (attribution, audits, SQL, prototypes, generation)",
+                        description="Serve one or more indexes with the PRISM-TDA HTTP API. Further settings "
+                                    "come from PRISM_* environment variables (docs/service.md).")
+    sv.add_argument("--index", action="append", required=True, metavar="[NAME=]DIR",
+                    help="index directory, optionally named; repeat to serve several (the first is the default)")
+    sv.add_argument("--default-index", help="name of the index used when a request names none")
+    sv.add_argument("--host", default="127.0.0.1", help="bind address (beyond loopback PRISM_API_KEYS is required)")
+    sv.add_argument("--port", type=int, default=8000)
+    sv.add_argument("--workers", type=int, default=1, help="server processes (each loads every index)")
+    sv.add_argument("--state-dir", help="audit and prototype-set database directory (default: PRISM_STATE_DIR "
+                                        "or ./prism-state)")
+    sv.set_defaults(fn=cmd_serve)
+
+    q = sub.add_parser("sql", help="read-only SQL over an index's tables (the service's locked engine)",
+                       description="Run one SELECT over documents, sequences, activations, token_grads, "
+                                   "prototypes, vocab (and audit_results with --state-dir).")
+    q.add_argument("--index", required=True, metavar="[NAME=]DIR", help="index directory")
+    q.add_argument("sql", help='one SELECT statement, e.g. "SELECT count(*) FROM activations"')
+    q.add_argument("--state-dir", default="prism-state", help="service state directory, for audit_results")
+    q.add_argument("--timeout", type=float, default=30.0, help="seconds before the query is interrupted")
+    q.add_argument("--max-rows", type=int, default=10_000)
+    q.add_argument("--memory-limit", default="1GB")
+    q.add_argument("--json", action="store_true")
+    q.set_defaults(fn=cmd_sql)
+
+    o = sub.add_parser("openapi", help="write openapi.yaml from the service app")
+    o.add_argument("--out", help="output path (default: openapi.yaml at the repository top)")
+    o.add_argument("--check", action="store_true", help="exit 1 when the file differs from the app")
+    o.set_defaults(fn=cmd_openapi)
     return p
 
 

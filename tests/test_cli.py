@@ -70,7 +70,7 @@ def test_demo_end_to_end_with_a_tiny_model(tmp_path, capsys):
     """The main job on the whole bundled corpus (model shrunk so it runs in seconds), then reused."""
     sets = ["model.d_model=32", "model.n_layer=1", "model.n_head=2", "model.n_prototypes=32", "model.vocab_size=512",
             "train.max_steps=4", "train.eval_every=4", "train.ckpt_every=4", "train.eval_tokens=1024"]
-    args = ["demo", "--out", str(tmp_path / "demo"), "--no-progress"]
+    args = ["demo", "--out", str(tmp_path / "demo"), "--no-progress", "--no-serve"]
     for s in sets:
         args += ["--set", s]
     assert main(args) == 0

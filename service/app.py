@@ -1,0 +1,117 @@
+"""The FastAPI application: ``create_app()`` and the lifespan that loads everything once."""
+
+from __future__ import annotations
+
+import logging
+import re
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Any
+
+import anyio
+import torch
+from fastapi import Depends, FastAPI
+from fastapi.middleware.cors import CORSMiddleware
+from fastapi.openapi.utils import get_openapi
+from fastapi.routing import APIRoute
+
+from prism_tda import __version__
+from prism_tda.logs import setup_logging
+
+from . import problems
+from .deps import Services, get_principal
+from .indexes import Registry
+from .metrics import Metrics
+from .middleware import BodyLimit, RequestContext
+from .routers import attribute, audits, documents, generate, health, prototypes, sql
+from .security import Guard
+from .settings import Settings
+from .state import StateDB
+from .worker import AuditWorker
+
+log = logging.getLogger("prism.service")
+
+DESCRIPTION = """Training-data attribution for PRISM prototype language models: which training
+documents drove an output, batch audits, read-only SQL over the activation store, prototype
+browsing and generation with prototype suppression. Errors are `application/problem+json`
+(RFC 9457) with a stable `type` per kind of error."""
+
+
+def _operation_id(route: APIRoute) -> str:
+    head, *rest = route.name.split("_")
+    return head + "".join(w.capitalize() for w in rest)
+
+
+def _load(settings: Settings, metrics: Metrics) -> Services:
+    if settings.torch_threads:
+        torch.set_num_threads(settings.torch_threads)
+    registry = Registry.load(settings)
+    for ix in registry.indexes.values():
+        metrics.index_load_seconds.labels(ix.name).set(ix.load_seconds)
+    state = StateDB(settings.state_dir)
+    for name, ids in settings.prototype_sets.items():
+        for ix in registry.indexes.values():
+            ix.check_prototypes(ids, f"PRISM_PROTOTYPE_SETS[{name!r}]")
+            state.put_set(ix.name, name, ids, "from the server's settings")
+    worker = AuditWorker(state, registry, metrics, settings.audit_poll_s)
+    return Services(settings=settings, registry=registry, state=state, worker=worker, metrics=metrics,
+                    guard=Guard(settings))
+
+
+def create_app(settings: Settings | None = None) -> FastAPI:
+    """The service app. ``settings`` default to the ``PRISM_*`` environment."""
+    settings = settings or Settings()
+    metrics = Metrics()
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        settings.check_serving()
+        services = await anyio.to_thread.run_sync(_load, settings, metrics)
+        services.limiters = {n: anyio.CapacityLimiter(settings.compute_concurrency)
+                             for n in services.registry.indexes}
+        services.worker.start()
+        app.state.services = services
+        log.info("serving", extra={"indexes": list(services.registry.indexes), "default": services.registry.default,
+                                   "auth": bool(settings.api_keys)})
+        try:
+            yield
+        finally:
+            app.state.services = None
+            services.worker.stop()
+            services.registry.close()
+
+    app = FastAPI(title="PRISM-TDA", version=__version__, description=DESCRIPTION, lifespan=lifespan,
+                  generate_unique_id_function=_operation_id)
+    app.state.services = None
+    problems.install(app)
+    guarded = [Depends(get_principal)]
+    for r in (attribute.router, audits.router, sql.router, prototypes.router, prototypes.sets_router,
+              documents.router, generate.router):
+        app.include_router(r, prefix="/v1", dependencies=guarded)
+    app.include_router(health.router)
+    app.add_middleware(BodyLimit, max_bytes=settings.max_body_bytes)
+    if settings.cors_origins:
+        app.add_middleware(CORSMiddleware, allow_origins=settings.cors_origins, allow_methods=["*"],
+                           allow_headers=["*"], expose_headers=["X-Request-ID", "Location", "Retry-After"])
+    app.add_middleware(RequestContext, metrics=metrics)
+    app.openapi = lambda: _openapi(app)  # type: ignore[method-assign]
+    return app
+
+
+def _openapi(app: FastAPI) -> dict[str, Any]:
+    if app.openapi_schema is None:
+        schema = get_openapi(title=app.title, version=app.version, description=app.description, routes=app.routes)
+        comps = schema.setdefault("components", {}).setdefault("schemas", {})
+        comps["Problem"] = problems.Problem.model_json_schema(ref_template="#/components/schemas/{model}")
+        for unused in ("HTTPValidationError", "ValidationError"):
+            if not re.search(rf'"#/components/schemas/{unused}"', str(schema["paths"]).replace("'", '"')):
+                comps.pop(unused, None)
+        app.openapi_schema = schema
+    return app.openapi_schema
+
+
+def create_app_from_env() -> FastAPI:
+    """Factory for ``uvicorn --factory``: settings and logging from the ``PRISM_*`` environment."""
+    settings = Settings()
+    setup_logging(settings.log_level, settings.log_format)
+    return create_app(settings)

@@ -1,0 +1,66 @@
+"""Dependencies shared by the routers, as ``Annotated`` aliases."""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Annotated, Any, TypeVar
+
+import anyio
+from fastapi import Depends, Query, Request
+from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
+
+from . import problems
+from .indexes import LoadedIndex, Registry
+from .metrics import Metrics
+from .security import Guard
+from .settings import Settings
+from .state import StateDB
+from .worker import AuditWorker
+
+T = TypeVar("T")
+
+
+@dataclass
+class Services:
+    """What the lifespan loads once and every request shares."""
+
+    settings: Settings
+    registry: Registry
+    state: StateDB
+    worker: AuditWorker
+    metrics: Metrics
+    guard: Guard
+    limiters: dict[str, anyio.CapacityLimiter] = field(default_factory=dict)
+
+    async def run(self, ix: LoadedIndex, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+        """Run CPU-bound work in a worker thread, at most ``compute_concurrency`` at once per index."""
+        return await anyio.to_thread.run_sync(functools.partial(fn, *args, **kwargs), limiter=self.limiters[ix.name])
+
+    async def io(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+        """Run blocking I/O (the state database) in a worker thread."""
+        return await asyncio.to_thread(fn, *args, **kwargs)
+
+
+def get_services(request: Request) -> Services:
+    services = getattr(request.app.state, "services", None)
+    if services is None:
+        raise problems.NotReady("the service is still starting")
+    return services
+
+
+ServicesDep = Annotated[Services, Depends(get_services)]
+
+_bearer = HTTPBearer(auto_error=False, description="An API key from PRISM_API_KEYS (required off loopback).")
+
+
+def get_principal(request: Request, services: ServicesDep,
+                  credentials: Annotated[HTTPAuthorizationCredentials | None, Depends(_bearer)]) -> str:
+    return services.guard(credentials, request.client.host if request.client else "unknown")
+
+
+PrincipalDep = Annotated[str, Depends(get_principal)]
+IndexQuery = Annotated[str | None, Query(max_length=200, description="Index to use (default: the server's "
+                                                                    "default index).")]

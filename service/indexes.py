@@ -1,0 +1,165 @@
+"""The indexes a server holds: each one's attributor (model, curvature, FAISS), store and limits.
+
+Everything here is loaded once at start-up and read-only afterwards, so concurrent requests can
+share it; the methods are synchronous and CPU-bound, and the routes run them in worker threads.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from prism_tda.attribution import Attributor
+from prism_tda.model.tokenizer import eos_id
+
+from . import problems
+from .settings import Settings
+from .store import Store
+
+log = logging.getLogger("prism.service")
+
+
+@dataclass
+class LoadedIndex:
+    name: str
+    dir: Path
+    attributor: Attributor
+    store: Store
+    load_seconds: float
+
+    @classmethod
+    def load(cls, name: str, index_dir: Path, settings: Settings) -> LoadedIndex:
+        t0 = time.perf_counter()
+        att = Attributor.open(index_dir)
+        att.model.eval()
+        store = Store(index_dir, memory_limit=settings.sql_memory_limit, threads=settings.sql_threads,
+                      timeout_s=settings.sql_timeout_s, max_rows=settings.sql_max_rows)
+        ix = cls(name, Path(index_dir), att, store, time.perf_counter() - t0)
+        log.info("index loaded", extra={"index": name, "dir": str(index_dir), "seconds": round(ix.load_seconds, 2),
+                                        "documents": ix.n_documents, "prototypes": ix.n_prototypes})
+        return ix
+
+    # ------------------------------------------------------------------------ facts
+    @property
+    def context(self) -> int:
+        return self.attributor.model.cfg.block_size
+
+    @property
+    def n_prototypes(self) -> int:
+        return self.attributor.model.cfg.n_prototypes
+
+    @property
+    def n_documents(self) -> int:
+        return int(self.attributor.manifest["plan"]["documents"])
+
+    def info(self) -> dict[str, Any]:
+        m = self.attributor.manifest
+        return {"name": self.name, "documents": self.n_documents, "sequences": int(m["plan"]["sequences"]),
+                "tokens": int(m["plan"]["tokens"]), "prototypes": self.n_prototypes, "context": self.context,
+                "vocab_size": self.attributor.model.cfg.vocab_size, "tables": self.store.tables}
+
+    # ------------------------------------------------------------------------ checks
+    def n_tokens(self, text: str) -> int:
+        return len(self.attributor.tokenizer.encode(text).ids)
+
+    def check_prompt(self, prompt: str, completion: str | None = None) -> None:
+        n = self.n_tokens(prompt)
+        if n == 0:
+            raise problems.InvalidQuery("prompt: is empty (no tokens)")
+        if n > self.context:
+            raise problems.PromptTooLong(f"prompt: {n} tokens; the model's context is {self.context}")
+        if completion is not None and n + self.n_tokens(completion) > self.context + 1:
+            raise problems.PromptTooLong(f"prompt + completion: {n + self.n_tokens(completion)} tokens; the "
+                                         f"model's context is {self.context}")
+
+    def check_prototypes(self, ids: list[int], field: str) -> None:
+        bad = [i for i in ids if not 0 <= i < self.n_prototypes]
+        if bad:
+            raise problems.InvalidPrototype(f"{field}: prototype id(s) {bad[:10]} out of range "
+                                            f"[0, {self.n_prototypes})")
+
+    # ------------------------------------------------------------------------ work
+    def attribute(self, prompt: str, completion: str | None, *, max_new_tokens: int | None,
+                  target_index: int | None, top_k: int, mode: str, n_candidates: int,
+                  opponents: bool) -> dict[str, Any]:
+        self.check_prompt(prompt, completion)
+        res = self.attributor.attribute(prompt, completion, max_new_tokens=max_new_tokens,
+                                        target_index=target_index, top_k=top_k, mode=mode,
+                                        n_candidates=n_candidates, opponents=opponents)
+        missing = [d["doc_id"] for d in res["documents"] if "external_id" not in d or "snippet" not in d]
+        if missing:  # older engines return bare ids: fill the document fields from the store
+            docs = self.store.documents(missing)
+            for d in res["documents"]:
+                doc = docs.get(d["doc_id"], {})
+                d.setdefault("external_id", doc.get("external_id"))
+                d.setdefault("snippet", (doc.get("text") or "")[:300])
+        return res
+
+    def generate(self, prompt: str, *, max_new_tokens: int, temperature: float, top_k: int | None, seed: int,
+                 suppress: list[int]) -> dict[str, Any]:
+        self.check_prompt(prompt)
+        tok, model = self.attributor.tokenizer, self.attributor.model
+        ids = tok.encode(prompt).ids
+        x = torch.tensor([ids])
+        g = torch.Generator().manual_seed(seed)
+        sup = torch.tensor(sorted(set(suppress)), dtype=torch.long) if suppress else None
+        eos = eos_id(tok)
+        temperature = temperature if temperature >= 1e-3 else 0.0  # 1/temperature must stay finite
+        y = model.generate(x, max_new_tokens, temperature=temperature, top_k=top_k, generator=g, stop_token=eos,
+                           suppress=sup)
+        new = y[0, x.shape[1]:].tolist()
+        return {"completion": tok.decode([i for i in new if i != eos]), "token_ids": new,
+                "n_prompt_tokens": len(ids), "stopped": bool(new and new[-1] == eos)}
+
+    def prototype(self, proto_id: int, n_contexts: int, n_signature: int) -> dict[str, Any]:
+        if not 0 <= proto_id < self.n_prototypes:
+            raise problems.PrototypeNotFound(f"prototype {proto_id} does not exist in index {self.name!r} "
+                                             f"(ids 0..{self.n_prototypes - 1})")
+        row = self.store.prototype(proto_id)
+        if row is None:
+            raise problems.PrototypeNotFound(f"prototype {proto_id} has no row in index {self.name!r}")
+        model, tok = self.attributor.model, self.attributor.tokenizer
+        with torch.no_grad():
+            sig = model.W.float() @ model.head.prototypes[proto_id].float()  # (V,) the token-logit signature
+            vals, idx = sig.topk(n_signature)
+        signature = [{"token_id": int(i), "token": tok.decode([int(i)]), "logit": float(v)}
+                     for v, i in zip(vals, idx)]
+        contexts = []
+        for c in self.store.top_contexts(proto_id, n_contexts) if n_contexts else []:
+            ids, pos = c["token_ids"], c["pos"]
+            contexts.append({"doc_id": c["doc_id"], "seq_id": c["seq_id"], "pos": pos, "act": float(c["act"]),
+                             "before": tok.decode(ids[max(0, pos - 12): pos]), "token": tok.decode(ids[pos: pos + 1]),
+                             "after": tok.decode(ids[pos + 1: pos + 6])})
+        return {"proto_id": proto_id, "label": row["label"], "n_tokens": int(row["n_tokens"]),
+                "mass": float(row["mass"]), "share": float(row["share"] or 0.0), "mean_act": float(row["mean_act"]),
+                "top_tokens": list(row["top_tokens"] or []), "signature": signature, "top_contexts": contexts}
+
+    def close(self) -> None:
+        self.store.close()
+
+
+class Registry:
+    """The loaded indexes by name, and the default one."""
+
+    def __init__(self, indexes: dict[str, LoadedIndex], default: str) -> None:
+        self.indexes, self.default = indexes, default
+
+    @classmethod
+    def load(cls, settings: Settings) -> Registry:
+        loaded = {name: LoadedIndex.load(name, Path(d), settings) for name, d in settings.indexes.items()}
+        return cls(loaded, settings.default or next(iter(loaded)))
+
+    def get(self, name: str | None) -> LoadedIndex:
+        ix = self.indexes.get(name or self.default)
+        if ix is None:
+            raise problems.UnknownIndex(f"index: {name!r} is not served here; choose one of {sorted(self.indexes)}")
+        return ix
+
+    def close(self) -> None:
+        for ix in self.indexes.values():
+            ix.close()

@@ -1,0 +1,159 @@
+"""Errors as RFC 9457 problem documents: one stable ``type`` per kind, mapped in one place.
+
+Route code raises :class:`ServiceError` subclasses (or lets the domain's ``PrismError`` through);
+:func:`install` registers the one mapping to ``application/problem+json``. Internals never leak:
+an unexpected error is logged with its traceback and answered with a bare 500.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from pydantic import BaseModel, Field
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from prism_tda.attribution import QueryError
+from prism_tda.errors import PrismError
+
+from .context import request_id
+
+log = logging.getLogger("prism.service")
+
+TYPE_PREFIX = "urn:prism-tda:problem:"
+MEDIA_TYPE = "application/problem+json"
+
+
+class Problem(BaseModel):
+    """An RFC 9457 problem document."""
+
+    type: str = Field(description="Stable identifier of the kind of problem, `urn:prism-tda:problem:<kind>`.")
+    title: str = Field(description="Short summary of the kind of problem.")
+    status: int = Field(description="The HTTP status code.")
+    detail: str = Field(description="What went wrong with this request, naming the field or value.")
+    instance: str | None = Field(None, description="The request path.")
+    request_id: str | None = Field(None, description="The request's X-Request-ID.")
+    errors: list[dict[str, Any]] | None = Field(None, description="Validation errors, one per field.")
+
+
+class ServiceError(PrismError):
+    """An error a request caused; ``kind`` names its problem type."""
+
+    kind = "bad-request"
+    status = 400
+    title = "Bad request"
+
+    def __init__(self, detail: str, *, headers: dict[str, str] | None = None,
+                 errors: list[dict[str, Any]] | None = None) -> None:
+        super().__init__(detail)
+        self.detail = detail
+        self.headers = headers
+        self.errors = errors
+
+
+def _kind(name: str, kind: str, status: int, title: str) -> type[ServiceError]:
+    return type(name, (ServiceError,), {"kind": kind, "status": status, "title": title, "__doc__": title + "."})
+
+
+MalformedRequest = _kind("MalformedRequest", "malformed-request", 400, "The request body is not valid JSON")
+InvalidRequest = _kind("InvalidRequest", "validation-error", 422, "A request field is missing or invalid")
+Unauthorized = _kind("Unauthorized", "unauthorized", 401, "A valid bearer API key is required")
+RateLimited = _kind("RateLimited", "rate-limited", 429, "Too many requests")
+BodyTooLarge = _kind("BodyTooLarge", "body-too-large", 413, "The request body is too large")
+RouteNotFound = _kind("RouteNotFound", "not-found", 404, "No such endpoint")
+MethodNotAllowed = _kind("MethodNotAllowed", "method-not-allowed", 405, "Method not allowed on this endpoint")
+UnknownIndex = _kind("UnknownIndex", "unknown-index", 404, "No such index")
+DocumentNotFound = _kind("DocumentNotFound", "document-not-found", 404, "No such document")
+PrototypeNotFound = _kind("PrototypeNotFound", "prototype-not-found", 404, "No such prototype")
+PrototypeSetNotFound = _kind("PrototypeSetNotFound", "prototype-set-not-found", 404, "No such prototype set")
+AuditNotFound = _kind("AuditNotFound", "audit-not-found", 404, "No such audit")
+InvalidQuery = _kind("InvalidQuery", "invalid-query", 422, "The attribution query is invalid")
+PromptTooLong = _kind("PromptTooLong", "prompt-too-long", 422, "The prompt is longer than the model's context")
+TooManyItems = _kind("TooManyItems", "too-many-items", 422, "Too many items in one request")
+InvalidPrototype = _kind("InvalidPrototype", "invalid-prototype", 422, "A prototype id is out of range")
+IdempotencyConflict = _kind("IdempotencyConflict", "idempotency-conflict", 409,
+                            "The Idempotency-Key was already used with another request")
+AuditFinished = _kind("AuditFinished", "audit-finished", 409, "The audit has already finished")
+SqlSyntax = _kind("SqlSyntax", "sql-syntax", 400, "The SQL does not parse")
+SqlOneStatement = _kind("SqlOneStatement", "sql-one-statement", 400, "Exactly one SQL statement is allowed")
+SqlForbidden = _kind("SqlForbidden", "sql-forbidden", 403, "The SQL does something that is not allowed")
+SqlError = _kind("SqlError", "sql-error", 400, "The SQL query failed")
+SqlTimeout = _kind("SqlTimeout", "sql-timeout", 422, "The SQL query ran out of time and was interrupted")
+SqlTooManyRows = _kind("SqlTooManyRows", "sql-too-many-rows", 422, "The SQL query returns too many rows")
+SqlOutOfMemory = _kind("SqlOutOfMemory", "sql-out-of-memory", 422, "The SQL query ran out of memory")
+NotReady = _kind("NotReady", "not-ready", 503, "The service is not ready")
+
+ALL_KINDS: list[type[ServiceError]] = [v for v in list(globals().values())
+                                       if isinstance(v, type) and issubclass(v, ServiceError) and v is not ServiceError]
+
+
+def problem_response(status: int, kind: str, title: str, detail: str, request: Request | None, *,
+                     headers: dict[str, str] | None = None, errors: list[dict[str, Any]] | None = None) -> JSONResponse:
+    body = Problem(type=TYPE_PREFIX + kind, title=title, status=status, detail=detail,
+                   instance=request.url.path if request is not None else None, request_id=request_id.get(),
+                   errors=errors)
+    return JSONResponse(body.model_dump(exclude_none=True), status_code=status, media_type=MEDIA_TYPE,
+                        headers=headers)
+
+
+def error_response(exc: ServiceError, request: Request | None) -> JSONResponse:
+    return problem_response(exc.status, exc.kind, exc.title, exc.detail, request, headers=exc.headers,
+                            errors=exc.errors)
+
+
+def _field(loc: tuple | list) -> str:
+    parts = [str(p) for p in loc if p not in ("body", "query", "path", "header")]
+    return ".".join(parts) or "body"
+
+
+def _jsonable_errors(errors: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    return [{"field": _field(e.get("loc", ())), "message": str(e.get("msg", "")), "type": str(e.get("type", ""))}
+            for e in errors]
+
+
+async def _on_error(request: Request, exc: Exception) -> JSONResponse:
+    """The one mapping from exceptions to problem documents."""
+    if isinstance(exc, ServiceError):
+        return error_response(exc, request)
+    if isinstance(exc, RequestValidationError):
+        errs = exc.errors()
+        if any(e.get("type") == "json_invalid" for e in errs):
+            msg = next(e for e in errs if e.get("type") == "json_invalid").get("ctx", {}).get("error", "")
+            return error_response(MalformedRequest(f"the body is not valid JSON: {msg}".rstrip(": ")), request)
+        items = _jsonable_errors(errs)
+        detail = "; ".join(f"{i['field']}: {i['message']}" for i in items)
+        return error_response(InvalidRequest(detail, errors=items), request)
+    if isinstance(exc, QueryError):
+        return error_response(InvalidQuery(str(exc)), request)
+    if isinstance(exc, StarletteHTTPException):
+        if exc.status_code == 404:
+            return error_response(RouteNotFound(f"no endpoint at {request.url.path}"), request)
+        if exc.status_code == 405:
+            return error_response(MethodNotAllowed(f"{request.method} is not allowed on {request.url.path}",
+                                                   headers=dict(exc.headers or {})), request)
+        return problem_response(exc.status_code, "http-error", "HTTP error", str(exc.detail), request,
+                                headers=dict(exc.headers or {}))
+    log.error("unhandled error", exc_info=exc, extra={"request_id": request_id.get(), "path": request.url.path})
+    return problem_response(500, "internal-error", "Internal server error",
+                            "the server failed to answer this request; the log has the details", request)
+
+
+def install(app: FastAPI) -> None:
+    for exc_type in (ServiceError, RequestValidationError, QueryError, StarletteHTTPException, Exception):
+        app.add_exception_handler(exc_type, _on_error)
+
+
+def responses(*kinds: type[ServiceError]) -> dict[int | str, dict[str, Any]]:
+    """OpenAPI ``responses`` entry documenting the problem kinds a route may answer."""
+    out: dict[int | str, dict[str, Any]] = {}
+    by_status: dict[int, list[type[ServiceError]]] = {}
+    for k in (*kinds, InvalidRequest, MalformedRequest, Unauthorized, RateLimited):
+        by_status.setdefault(k.status, []).append(k)
+    for status, ks in sorted(by_status.items()):
+        names = ", ".join(f"`{TYPE_PREFIX}{k.kind}`" for k in dict.fromkeys(ks))
+        out[status] = {"description": f"Problem document: {names}",
+                       "content": {MEDIA_TYPE: {"schema": {"$ref": "#/components/schemas/Problem"}}}}
+    return out

@@ -1,0 +1,145 @@
+"""Batch audits: persisted jobs processed by the background worker; results as JSONL, Parquet or SQL."""
+
+from __future__ import annotations
+
+import io
+import json
+from typing import Annotated, Any, Literal
+
+import pyarrow.parquet as pq
+from fastapi import APIRouter, Header, Path, Query, Response
+
+from .. import problems as p
+from ..deps import PrincipalDep, Services, ServicesDep
+from ..schemas import AuditItemOut, AuditItems, AuditJob, AuditRequest
+from ..state import request_hash
+
+router = APIRouter(prefix="/audits", tags=["audits"])
+AuditId = Annotated[str, Path(max_length=64, description="The audit's id (from POST /v1/audits).")]
+
+
+def job_view(job: dict[str, Any]) -> AuditJob:
+    n = job["n_items"]
+    return AuditJob(id=job["id"], index=job["index_name"], status=job["status"], created_at=job["created_at"],
+                    updated_at=job["updated_at"], n_items=n, n_done=job["n_done"], n_failed=job["n_failed"],
+                    progress=(job["n_done"] + job["n_failed"]) / n if n else 1.0, params=job["params"])
+
+
+def item_view(it: dict[str, Any]) -> AuditItemOut:
+    flagged = it.get("flagged_prototypes") or []
+    return AuditItemOut(item_no=it["item_no"], id=it["item_id"], status=it["status"], attempts=it["attempts"],
+                        completions=it["completions"], error=it["error"], target_text=it["target_text"],
+                        flagged=bool(flagged), flagged_prototypes=flagged,
+                        used_prototypes=it.get("used_prototypes") or [], documents=it.get("documents") or [])
+
+
+async def _job(services: Services, audit_id: str) -> dict[str, Any]:
+    job = await services.io(services.state.job, audit_id)
+    if job is None:
+        raise p.AuditNotFound(f"no audit {audit_id!r}")
+    return job
+
+
+@router.post("", status_code=202, response_model=AuditJob,
+             responses=p.responses(p.UnknownIndex, p.TooManyItems, p.InvalidQuery, p.PromptTooLong,
+                                   p.InvalidPrototype, p.PrototypeSetNotFound, p.IdempotencyConflict,
+                                   p.BodyTooLarge))
+async def create_audit(body: AuditRequest, services: ServicesDep, principal: PrincipalDep, response: Response,
+                       idempotency_key: Annotated[str | None, Header(max_length=200, description=(
+                           "Resubmitting with the same key returns the same audit instead of a new one."))] = None,
+                       ) -> AuditJob:
+    """Submit a batch of (prompt, output) items. The job and its items are stored before the answer
+    (202); the background worker attributes them; poll GET /v1/audits/{audit_id} for progress."""
+    ix = services.registry.get(body.index)
+    s = services.settings
+    if len(body.items) > s.max_batch_items:
+        raise p.TooManyItems(f"items: {len(body.items)} items; the limit is {s.max_batch_items}")
+    if body.top_k > s.max_top_k:
+        raise p.InvalidRequest(f"top_k: {body.top_k} is over the server's limit of {s.max_top_k}")
+    sets: dict[str, list[int]] = {}
+
+    async def resolve(name: str, field: str) -> list[int]:
+        if name not in sets:
+            found = await services.io(services.state.get_set, ix.name, name)
+            if found is None:
+                raise p.PrototypeSetNotFound(f"{field}: no prototype set {name!r} in index {ix.name!r}")
+            sets[name] = found["prototypes"]
+        return sets[name]
+
+    ix.check_prototypes(body.flag_prototypes or [], "flag_prototypes")
+    job_flag = sorted(set(body.flag_prototypes or []) | set(await resolve(body.flag, "flag") if body.flag else []))
+    items = []
+    for n, it in enumerate(body.items):
+        if it.max_new_tokens is not None and it.max_new_tokens > s.max_new_tokens:
+            raise p.InvalidRequest(f"items[{n}].max_new_tokens: over the server's limit of {s.max_new_tokens}")
+        try:
+            ix.check_prompt(it.prompt, it.completion)
+        except p.ServiceError as e:
+            raise type(e)(f"items[{n}].{e.detail}") from None
+        flag = await resolve(it.flag, f"items[{n}].flag") if it.flag else job_flag
+        items.append({"id": it.id, "prompt": it.prompt, "completion": it.completion,
+                      "max_new_tokens": it.max_new_tokens, "flag_set": it.flag or body.flag, "flag_prototypes": flag})
+    params = {"top_k": body.top_k, "mode": body.mode, "n_candidates": body.n_candidates, "flag": body.flag,
+              "flag_prototypes": job_flag}
+    req_hash = request_hash(body.model_dump(mode="json") | {"index": ix.name})
+    job, created = await services.io(services.state.create_job, ix.name, params, items, principal=principal,
+                                     idempotency_key=idempotency_key, req_hash=req_hash)
+    if not created and job["request_hash"] != req_hash:
+        raise p.IdempotencyConflict(f"Idempotency-Key {idempotency_key!r} was used for audit {job['id']} with a "
+                                    "different request")
+    if created:
+        services.worker.wake.set()
+    else:
+        response.headers["Idempotent-Replayed"] = "true"
+    response.headers["Location"] = f"/v1/audits/{job['id']}"
+    return job_view(job)
+
+
+@router.get("/{audit_id}", response_model=AuditJob, responses=p.responses(p.AuditNotFound))
+async def get_audit(audit_id: AuditId, services: ServicesDep) -> AuditJob:
+    """An audit's status and progress."""
+    return job_view(await _job(services, audit_id))
+
+
+@router.get("/{audit_id}/items", response_model=AuditItems, responses=p.responses(p.AuditNotFound))
+async def list_audit_items(audit_id: AuditId, services: ServicesDep,
+                           offset: Annotated[int, Query(ge=0, le=2**31 - 1)] = 0,
+                           limit: Annotated[int, Query(ge=1, le=1000)] = 100) -> AuditItems:
+    """An audit's items: status, attempts, flags and top documents of each."""
+    job = await _job(services, audit_id)
+    items = await services.io(services.state.items, audit_id, offset, limit)
+    return AuditItems(job=job_view(job), items=[item_view(i) for i in items])
+
+
+@router.post("/{audit_id}/cancel", response_model=AuditJob, responses=p.responses(p.AuditNotFound, p.AuditFinished))
+async def cancel_audit(audit_id: AuditId, services: ServicesDep) -> AuditJob:
+    """Stop an audit: items not yet processed stay pending and are never processed."""
+    await _job(services, audit_id)
+    if not await services.io(services.state.cancel, audit_id):
+        job = await _job(services, audit_id)
+        if job["status"] != "cancelled":
+            raise p.AuditFinished(f"audit {audit_id} is {job['status']}; only queued or running audits can be "
+                                  "cancelled")
+    return job_view(await _job(services, audit_id))
+
+
+@router.get("/{audit_id}/results", response_class=Response, responses={
+    200: {"description": "JSONL (one item per line) or Parquet (the audit_results rows of this audit).",
+          "content": {"application/x-ndjson": {"schema": {"type": "string"}},
+                      "application/vnd.apache.parquet": {"schema": {"type": "string", "format": "binary"}}}},
+    **p.responses(p.AuditNotFound)})
+async def download_audit_results(audit_id: AuditId, services: ServicesDep,
+                                 format: Annotated[Literal["jsonl", "parquet"], Query()] = "jsonl") -> Response:
+    """Download an audit's results so far: JSONL, one line per item, or Parquet, one row per
+    (item, rank) as in the `audit_results` SQL table."""
+    await _job(services, audit_id)
+    if format == "parquet":
+        table = await services.io(services.state.audit_results, job_id=audit_id)
+        buf = io.BytesIO()
+        pq.write_table(table, buf, compression="zstd")
+        return Response(buf.getvalue(), media_type="application/vnd.apache.parquet",
+                        headers={"Content-Disposition": f'attachment; filename="{audit_id}.parquet"'})
+    items = await services.io(services.state.items, audit_id)
+    lines = "".join(json.dumps(item_view(i).model_dump()) + "\n" for i in items)
+    return Response(lines, media_type="application/x-ndjson",
+                    headers={"Content-Disposition": f'attachment; filename="{audit_id}.jsonl"'})

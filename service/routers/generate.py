@@ -1,0 +1,37 @@
+"""POST /v1/generate: generation, optionally with prototypes suppressed."""
+
+from __future__ import annotations
+
+from fastapi import APIRouter
+
+from .. import problems as p
+from ..deps import ServicesDep
+from ..schemas import GenerateRequest, GenerateResponse
+
+router = APIRouter(prefix="/generate", tags=["generation"])
+
+
+@router.post("", response_model=GenerateResponse,
+             responses=p.responses(p.UnknownIndex, p.InvalidQuery, p.PromptTooLong, p.InvalidPrototype,
+                                   p.PrototypeSetNotFound, p.BodyTooLarge))
+async def generate(body: GenerateRequest, services: ServicesDep) -> GenerateResponse:
+    """Continue a prompt. `suppress` (prototype ids, or a stored set's name) zeroes those prototypes'
+    activations, so they contribute nothing to the logits (the active sets and residual stay as they are)."""
+    ix = services.registry.get(body.index)
+    limit = services.settings.max_new_tokens
+    n_new = min(32, limit) if body.max_new_tokens is None else body.max_new_tokens
+    if n_new > limit:
+        raise p.InvalidRequest(f"max_new_tokens: {body.max_new_tokens} is over the server's limit of "
+                               f"{services.settings.max_new_tokens}")
+    set_name = body.suppress if isinstance(body.suppress, str) else None
+    if set_name is not None:
+        found = await services.io(services.state.get_set, ix.name, set_name)
+        if found is None:
+            raise p.PrototypeSetNotFound(f"suppress: no prototype set {set_name!r} in index {ix.name!r}")
+        ids = found["prototypes"]
+    else:
+        ids = list(body.suppress or [])
+        ix.check_prototypes(ids, "suppress")
+    out = await services.run(ix, ix.generate, body.prompt, max_new_tokens=n_new,
+                             temperature=body.temperature, top_k=body.top_k, seed=body.seed, suppress=ids)
+    return GenerateResponse(index=ix.name, suppressed=sorted(set(ids)), suppress_set=set_name, **out)

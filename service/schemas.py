@@ -1,0 +1,299 @@
+"""Request and response bodies, one family per resource."""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, StringConstraints, model_validator
+
+IndexName = Annotated[str | None, Field(None, max_length=200, description="Index to use (default: the server's "
+                                                                          "default index).")]
+Prompt = Annotated[str, Field(min_length=1, max_length=20_000, description="The prompt text.")]
+ProtoId = Annotated[int, Field(ge=0, le=2**31 - 1)]
+SetName = Annotated[str, StringConstraints(pattern=r"^[A-Za-z0-9_.-]{1,64}$")]
+
+
+class Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+# ---------------------------------------------------------------------------- attribute
+class AttributeRequest(Strict):
+    index: IndexName
+    prompt: Prompt
+    completion: str | None = Field(None, min_length=1, max_length=20_000,
+                                   description="The output to attribute. Omit it (and `max_new_tokens`) to "
+                                               "attribute the prompt's own next-token predictions.")
+    max_new_tokens: int | None = Field(None, ge=1, le=4096, description="Generate this many tokens greedily "
+                                                                        "and attribute them (no `completion`).")
+    target_index: int | None = Field(None, ge=0, le=100_000, description="Attribute only this target token.")
+    top_k: int = Field(10, ge=1, le=1000, description="Documents to return (at most the server's max_top_k).")
+    mode: Literal["fast", "exact"] = Field("fast", description="fast: FAISS candidates + exact re-rank; exact: "
+                                                               "every training token sharing a prototype.")
+    n_candidates: int = Field(256, ge=1, le=16_384, description="Candidate sequences of the fast path.")
+    opponents: bool = Field(False, description="Return the documents that most oppose the output.")
+
+    @model_validator(mode="after")
+    def _one_target(self) -> AttributeRequest:
+        if self.completion is not None and self.max_new_tokens is not None:
+            raise ValueError("give either completion or max_new_tokens, not both")
+        return self
+
+
+class Highlight(BaseModel):
+    start: int = Field(description="Start offset (characters) into the snippet.")
+    end: int = Field(description="End offset (characters, exclusive).")
+    text: str
+    weight: float
+
+
+class ProtoShare(BaseModel):
+    proto_id: int
+    share: float = Field(description="The prototype's share of the document's score.")
+
+
+class AttributedDocument(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    rank: int
+    doc_id: int
+    score: float = Field(description="Cosine of preconditioned prototype-space gradients (best token).")
+    raw_influence: float | None = None
+    seq_id: int | None = None
+    token_row: int | None = None
+    external_id: str | None = Field(None, description="The document's id in the training corpus.")
+    snippet: str | None = None
+    highlights: list[Highlight] = Field(default_factory=list)
+    prototypes: list[ProtoShare] = Field(default_factory=list)
+
+
+class TokenPrototype(BaseModel):
+    proto_id: int
+    act: float
+    contribution: float = Field(description="a_{t,i} (W p_i)_y: the prototype's part of the token's logit.")
+
+
+class TokenView(BaseModel):
+    position: int
+    token_id: int
+    token: str
+    logit: float
+    residual: float = Field(description="(W r_t)_y: the residual's part of the logit.")
+    prototypes: list[TokenPrototype]
+
+
+class QueryInfo(BaseModel):
+    token_ids: list[int]
+    n_prompt: int
+    target_ids: list[int]
+    target_text: str
+
+
+class AttributeResponse(BaseModel):
+    index: str
+    mode: str
+    query: QueryInfo
+    documents: list[AttributedDocument]
+    per_token: list[TokenView]
+    timings_ms: dict[str, float]
+    rows_scored: int
+
+
+# ---------------------------------------------------------------------------- generate
+class GenerateRequest(Strict):
+    index: IndexName
+    prompt: Prompt
+    max_new_tokens: int | None = Field(None, ge=1, le=4096, description="Tokens to generate (at most the "
+                                       "server's max_new_tokens; default 32 or that limit when lower).")
+    temperature: float = Field(0.0, ge=0.0, le=10.0, description="0: greedy; below 0.001 counts as greedy "
+                                                                  "(dividing by it would overflow).")
+    top_k: int | None = Field(None, ge=1, le=100_000, description="Sample from the top-k tokens only.")
+    seed: int = Field(0, ge=0, le=2**63 - 1)
+    suppress: list[ProtoId] | SetName | None = Field(
+        None, description="Prototypes that contribute nothing to the logits: a list of ids, or the name of "
+                          "a stored prototype set.")
+
+
+class GenerateResponse(BaseModel):
+    index: str
+    completion: str
+    token_ids: list[int]
+    n_prompt_tokens: int
+    stopped: bool = Field(description="Generation ended at the end-of-text token.")
+    suppressed: list[int]
+    suppress_set: str | None
+
+
+# ---------------------------------------------------------------------------- audits
+class AuditItemIn(Strict):
+    id: str | None = Field(None, max_length=200, description="Your id for the item (kept in the results).")
+    prompt: Prompt
+    completion: str | None = Field(None, min_length=1, max_length=20_000)
+    max_new_tokens: int | None = Field(None, ge=1, le=4096)
+    flag: SetName | None = Field(None, description="Prototype set flagging this item (overrides the audit's).")
+
+    @model_validator(mode="after")
+    def _one_target(self) -> AuditItemIn:
+        if self.completion is not None and self.max_new_tokens is not None:
+            raise ValueError("give either completion or max_new_tokens, not both")
+        return self
+
+
+class AuditRequest(Strict):
+    index: IndexName
+    items: list[AuditItemIn] = Field(min_length=1, description="The (prompt, output) pairs to attribute.")
+    top_k: int = Field(10, ge=1, le=1000)
+    mode: Literal["fast", "exact"] = "fast"
+    n_candidates: int = Field(256, ge=1, le=16_384)
+    flag: SetName | None = Field(None, description="Name of a prototype set: items whose target tokens used any "
+                                                   "of its prototypes are flagged.")
+    flag_prototypes: list[ProtoId] | None = Field(None, description="Prototype ids flagging items (with `flag`: "
+                                                                    "added to the set).")
+
+
+class AuditJob(BaseModel):
+    id: str
+    index: str
+    status: Literal["queued", "running", "completed", "cancelled"]
+    created_at: float
+    updated_at: float
+    n_items: int
+    n_done: int
+    n_failed: int
+    progress: float = Field(description="Finished items / all items.")
+    params: dict[str, Any]
+
+
+class AuditItemOut(BaseModel):
+    item_no: int
+    id: str | None
+    status: Literal["pending", "done", "failed"]
+    attempts: int
+    completions: int
+    error: str | None
+    target_text: str | None
+    flagged: bool
+    flagged_prototypes: list[int]
+    used_prototypes: list[int]
+    documents: list[dict[str, Any]]
+
+
+class AuditItems(BaseModel):
+    job: AuditJob
+    items: list[AuditItemOut]
+
+
+# ---------------------------------------------------------------------------- sql
+class SqlRequest(Strict):
+    index: IndexName
+    sql: str = Field(min_length=1, max_length=100_000, description="One SELECT statement.")
+
+
+class SqlColumn(BaseModel):
+    name: str
+    type: str
+
+
+class SqlResponse(BaseModel):
+    index: str
+    columns: list[SqlColumn]
+    rows: list[list[Any]]
+    row_count: int
+    elapsed_ms: float
+
+
+# ---------------------------------------------------------------------------- documents
+class Document(BaseModel):
+    doc_id: int
+    external_id: str | None
+    source: str | None
+    title: str | None
+    url: str | None
+    text: str
+    n_tokens: int
+
+
+class DocumentBatchRequest(Strict):
+    index: IndexName
+    ids: list[Annotated[int, Field(ge=0, le=2**31 - 1)]] = Field(min_length=1)
+
+
+class DocumentBatch(BaseModel):
+    index: str
+    documents: list[Document]
+    missing: list[int] = Field(description="Requested ids with no document.")
+
+
+# ---------------------------------------------------------------------------- prototypes
+class SignatureToken(BaseModel):
+    token_id: int
+    token: str
+    logit: float = Field(description="(W p_i)_v: the prototype's logit signature for this token.")
+
+
+class Context(BaseModel):
+    doc_id: int
+    seq_id: int
+    pos: int
+    act: float
+    before: str
+    token: str
+    after: str
+
+
+class Prototype(BaseModel):
+    index: str
+    proto_id: int
+    label: str | None
+    n_tokens: int
+    mass: float
+    share: float = Field(description="Share of the corpus's activation mass.")
+    mean_act: float
+    top_tokens: list[str]
+    signature: list[SignatureToken]
+    top_contexts: list[Context]
+
+
+class PrototypeSummary(BaseModel):
+    proto_id: int
+    n_tokens: int
+    mass: float
+    mean_act: float
+    top_tokens: list[str]
+    label: str | None
+
+
+class PrototypeList(BaseModel):
+    index: str
+    total: int
+    prototypes: list[PrototypeSummary]
+
+
+class PrototypeSetIn(Strict):
+    index: IndexName
+    prototypes: list[ProtoId] = Field(min_length=1)
+    description: str | None = Field(None, max_length=2000)
+
+
+class PrototypeSet(BaseModel):
+    index: str
+    name: str
+    prototypes: list[int]
+    description: str | None
+    updated_at: float
+
+
+class PrototypeSets(BaseModel):
+    index: str
+    sets: list[PrototypeSet]
+
+
+# ---------------------------------------------------------------------------- health
+class Health(BaseModel):
+    status: str
+
+
+class Ready(BaseModel):
+    status: str
+    indexes: list[dict[str, Any]]
+    default_index: str
+    audit_worker: Literal["leader", "standby"]

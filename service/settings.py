@@ -1,0 +1,105 @@
+"""Service settings: read from ``PRISM_*`` environment variables, here and nowhere else.
+
+Every field carries a description; ``docs/service.md`` lists them. Lists and mappings are given as
+JSON, e.g. ``PRISM_INDEXES='{"demo": "runs/demo/index"}'``, ``PRISM_API_KEYS='["k1", "k2"]'``.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+from pathlib import Path
+
+from pydantic import Field, SecretStr, field_validator, model_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from prism_tda.errors import ConfigError
+
+
+def is_loopback(host: str) -> bool:
+    """True when ``host`` only accepts connections from this machine."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+class Settings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="PRISM_", extra="forbid", validate_default=True)
+
+    indexes: dict[str, Path] = Field(
+        default_factory=dict,
+        description="Indexes to serve, by name: a JSON object {name: index directory}. Requests pick "
+                    "one with their `index` field or query parameter.")
+    default_index: str | None = Field(
+        None, description="Index used when a request names none (default: the first of `indexes`).")
+    host: str = Field("127.0.0.1", description="Address the server binds to. Any address that is not "
+                                               "loopback requires `api_keys`.")
+    port: int = Field(8000, ge=0, le=65535, description="TCP port the server listens on.")
+    workers: int = Field(1, ge=1, description="Server processes. Each loads every index; one of them "
+                                              "(holding a file lock) runs the audit worker.")
+    state_dir: Path = Field(Path("prism-state"), description="Directory of the durable state: audit jobs, "
+                                                             "items and results, prototype sets (SQLite, WAL).")
+    api_keys: list[SecretStr] = Field(
+        default_factory=list,
+        description="Accepted bearer tokens (JSON list). Empty: no authentication, allowed only on loopback.")
+    rate_limit_per_minute: int = Field(
+        600, ge=0, description="Requests per minute per API key (per client address without keys); 0 = off. "
+                               "Counted per server process.")
+    rate_limit_burst: int = Field(60, ge=1, description="Requests a client may make at once before the rate "
+                                                        "limit spaces them out.")
+    max_body_bytes: int = Field(1_000_000, ge=1024, description="Largest request body accepted, in bytes.")
+    max_batch_items: int = Field(1000, ge=1, description="Most items in one audit, documents in one batch "
+                                                         "fetch, or prototypes in one set.")
+    max_new_tokens: int = Field(128, ge=1, description="Most tokens one request may generate.")
+    max_top_k: int = Field(100, ge=1, description="Most documents one attribution may return.")
+    cors_origins: list[str] = Field(default_factory=list, description="Origins allowed by CORS (JSON list); "
+                                                                      "empty: CORS off.")
+    compute_concurrency: int = Field(2, ge=1, description="Model/attribution computations that run at once "
+                                                          "per index; more requests wait their turn.")
+    torch_threads: int | None = Field(None, ge=1, description="torch intra-op threads (default: torch's own).")
+    sql_timeout_s: float = Field(5.0, gt=0, description="Time limit of one SQL query; the query is "
+                                                        "interrupted when it runs out.")
+    sql_max_rows: int = Field(10_000, ge=1, description="Most rows a SQL query may return; larger results "
+                                                        "are refused (add a LIMIT).")
+    sql_memory_limit: str = Field("1GB", description="DuckDB memory limit for SQL queries (e.g. `512MB`).")
+    sql_threads: int = Field(2, ge=1, description="DuckDB threads per index.")
+    audit_poll_s: float = Field(1.0, gt=0, description="How often an idle audit worker looks for new work.")
+    prototype_sets: dict[str, list[int]] = Field(
+        default_factory=dict,
+        description="Named prototype sets created in every index at start-up (JSON {name: [ids]}), for "
+                    "generation suppression and audit flags; more can be stored with PUT /v1/prototype-sets.")
+    log_level: str = Field("info", description="Log level: debug, info, warning or error.")
+    log_format: str = Field("json", description="Log format: json (one object per line) or text.")
+
+    @field_validator("log_level")
+    @classmethod
+    def _level(cls, v: str) -> str:
+        if v not in ("debug", "info", "warning", "error"):
+            raise ValueError("must be debug, info, warning or error")
+        return v
+
+    @field_validator("log_format")
+    @classmethod
+    def _format(cls, v: str) -> str:
+        if v not in ("json", "text"):
+            raise ValueError("must be json or text")
+        return v
+
+    @model_validator(mode="after")
+    def _check(self) -> Settings:
+        if self.default_index is not None and self.indexes and self.default_index not in self.indexes:
+            raise ValueError(f"default_index {self.default_index!r} is not one of indexes {sorted(self.indexes)}")
+        return self
+
+    @property
+    def default(self) -> str | None:
+        return self.default_index or next(iter(self.indexes), None)
+
+    def check_serving(self) -> None:
+        """Refuse configurations that must not serve: no index, or no API key beyond loopback."""
+        if not self.indexes:
+            raise ConfigError("PRISM_INDEXES: no index to serve (give at least one name -> directory)")
+        if not is_loopback(self.host) and not self.api_keys:
+            raise ConfigError(f"PRISM_API_KEYS: required when binding to {self.host!r} (not loopback)")

@@ -1,0 +1,258 @@
+"""Durable service state in SQLite (WAL): audit jobs, their items and results, prototype sets.
+
+An audit is written (job + every item) in one transaction before the server answers 202. The
+worker finishes an item in one transaction too: its results rows, its ``done`` status and the
+job's progress commit together, guarded by ``status = 'pending'``, so a server killed at any
+moment and restarted processes every item exactly once (``completions`` counts the commits;
+``attempts`` counts the starts, so it shows work lost to a crash).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import secrets
+import sqlite3
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import pyarrow as pa
+
+SCHEMA = """
+CREATE TABLE IF NOT EXISTS jobs (
+    id TEXT PRIMARY KEY, index_name TEXT NOT NULL, status TEXT NOT NULL,
+    created_at REAL NOT NULL, updated_at REAL NOT NULL, params TEXT NOT NULL,
+    n_items INTEGER NOT NULL, n_done INTEGER NOT NULL DEFAULT 0, n_failed INTEGER NOT NULL DEFAULT 0,
+    principal TEXT NOT NULL, idempotency_key TEXT, request_hash TEXT NOT NULL,
+    UNIQUE (principal, idempotency_key)
+);
+CREATE TABLE IF NOT EXISTS items (
+    job_id TEXT NOT NULL, item_no INTEGER NOT NULL, item_id TEXT, prompt TEXT NOT NULL, completion TEXT,
+    max_new_tokens INTEGER, flag_set TEXT, flag_prototypes TEXT NOT NULL,
+    status TEXT NOT NULL DEFAULT 'pending', attempts INTEGER NOT NULL DEFAULT 0,
+    completions INTEGER NOT NULL DEFAULT 0, error TEXT, target_text TEXT, used_prototypes TEXT,
+    flagged_prototypes TEXT, documents TEXT, updated_at REAL,
+    PRIMARY KEY (job_id, item_no)
+);
+CREATE INDEX IF NOT EXISTS items_by_status ON items (status, job_id, item_no);
+CREATE TABLE IF NOT EXISTS results (
+    job_id TEXT NOT NULL, item_no INTEGER NOT NULL, rank INTEGER NOT NULL, doc_id INTEGER NOT NULL,
+    score REAL NOT NULL, raw_influence REAL, seq_id INTEGER,
+    PRIMARY KEY (job_id, item_no, rank)
+);
+CREATE TABLE IF NOT EXISTS prototype_sets (
+    index_name TEXT NOT NULL, name TEXT NOT NULL, prototypes TEXT NOT NULL, description TEXT,
+    updated_at REAL NOT NULL, PRIMARY KEY (index_name, name)
+);
+"""
+
+ACTIVE = ("queued", "running")
+
+AUDIT_RESULTS_SCHEMA = pa.schema([
+    ("job_id", pa.string()), ("item_no", pa.int32()), ("item_id", pa.string()), ("rank", pa.int32()),
+    ("doc_id", pa.int32()), ("score", pa.float64()), ("raw_influence", pa.float64()), ("seq_id", pa.int32()),
+    ("target_text", pa.string()), ("flagged", pa.bool_()), ("flagged_prototypes", pa.list_(pa.int32())),
+    ("used_prototypes", pa.list_(pa.int32())),
+])
+
+
+def request_hash(payload: dict[str, Any]) -> str:
+    return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()
+
+
+class StateDB:
+    """Every read and write of the state database (one short-lived connection per operation)."""
+
+    def __init__(self, state_dir: Path) -> None:
+        self.dir = Path(state_dir)
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self.path = self.dir / "state.sqlite3"
+        with self._connect() as con:
+            con.execute("PRAGMA journal_mode = WAL")
+            con.executescript(SCHEMA)
+
+    @contextmanager
+    def _connect(self) -> Iterator[sqlite3.Connection]:
+        con = sqlite3.connect(self.path, timeout=30, isolation_level=None)
+        con.row_factory = sqlite3.Row
+        con.execute("PRAGMA synchronous = FULL")
+        try:
+            yield con
+        finally:
+            con.close()
+
+    @contextmanager
+    def _tx(self) -> Iterator[sqlite3.Connection]:
+        with self._connect() as con:
+            con.execute("BEGIN IMMEDIATE")
+            try:
+                yield con
+            except BaseException:
+                con.execute("ROLLBACK")
+                raise
+            con.execute("COMMIT")
+
+    def ping(self) -> None:
+        with self._connect() as con:
+            con.execute("SELECT 1").fetchone()
+
+    # ------------------------------------------------------------------------ audits
+    def create_job(self, index_name: str, params: dict[str, Any], items: list[dict[str, Any]], *,
+                   principal: str, idempotency_key: str | None, req_hash: str) -> tuple[dict[str, Any], bool]:
+        """Persist a job and its items; return (job, created). A known idempotency key returns its job."""
+        now = time.time()
+        job_id = "aud_" + secrets.token_hex(8)
+        with self._tx() as con:
+            if idempotency_key is not None:
+                row = con.execute("SELECT * FROM jobs WHERE principal = ? AND idempotency_key = ?",
+                                  (principal, idempotency_key)).fetchone()
+                if row is not None:
+                    return _job(row), False
+            con.execute("INSERT INTO jobs (id, index_name, status, created_at, updated_at, params, n_items, "
+                        "principal, idempotency_key, request_hash) VALUES (?, ?, 'queued', ?, ?, ?, ?, ?, ?, ?)",
+                        (job_id, index_name, now, now, json.dumps(params), len(items), principal,
+                         idempotency_key, req_hash))
+            con.executemany(
+                "INSERT INTO items (job_id, item_no, item_id, prompt, completion, max_new_tokens, flag_set, "
+                "flag_prototypes, updated_at) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                [(job_id, n, it.get("id"), it["prompt"], it.get("completion"), it.get("max_new_tokens"),
+                  it.get("flag_set"), json.dumps(it.get("flag_prototypes", [])), now) for n, it in enumerate(items)])
+            row = con.execute("SELECT * FROM jobs WHERE id = ?", (job_id,)).fetchone()
+        return _job(row), True
+
+    def job(self, job_id: str) -> dict[str, Any] | None:
+        with self._connect() as con:
+            row = con.execute("SELECT * FROM jobs WHERE id = ?", (job_id,)).fetchone()
+        return _job(row) if row is not None else None
+
+    def cancel(self, job_id: str) -> bool:
+        with self._tx() as con:
+            cur = con.execute("UPDATE jobs SET status = 'cancelled', updated_at = ? WHERE id = ? AND status IN "
+                              "('queued', 'running')", (time.time(), job_id))
+            return cur.rowcount == 1
+
+    def items(self, job_id: str, offset: int = 0, limit: int | None = None) -> list[dict[str, Any]]:
+        with self._connect() as con:
+            rows = con.execute("SELECT * FROM items WHERE job_id = ? ORDER BY item_no LIMIT ? OFFSET ?",
+                               (job_id, -1 if limit is None else limit, offset)).fetchall()
+        return [_item(r) for r in rows]
+
+    def next_item(self, index_names: list[str]) -> dict[str, Any] | None:
+        """The oldest pending item of an active job on one of ``index_names``; counts the attempt."""
+        marks = ", ".join("?" * len(index_names))
+        with self._tx() as con:
+            row = con.execute(
+                "SELECT i.*, j.index_name, j.params FROM items i JOIN jobs j ON j.id = i.job_id "
+                f"WHERE i.status = 'pending' AND j.status IN ('queued', 'running') AND j.index_name IN ({marks}) "
+                "ORDER BY j.created_at, i.job_id, i.item_no LIMIT 1", index_names).fetchone()
+            if row is None:
+                return None
+            con.execute("UPDATE items SET attempts = attempts + 1 WHERE job_id = ? AND item_no = ?",
+                        (row["job_id"], row["item_no"]))
+            con.execute("UPDATE jobs SET status = 'running', updated_at = ? WHERE id = ? AND status = 'queued'",
+                        (time.time(), row["job_id"]))
+        out = _item(row)
+        out["index_name"], out["params"] = row["index_name"], json.loads(row["params"])
+        return out
+
+    def finish_item(self, job_id: str, item_no: int, *, error: str | None = None,
+                    result: dict[str, Any] | None = None) -> bool:
+        """Commit an item's outcome, results and the job's progress in one transaction."""
+        now = time.time()
+        status = "failed" if error is not None else "done"
+        r = result or {}
+        with self._tx() as con:
+            cur = con.execute(
+                "UPDATE items SET status = ?, error = ?, completions = completions + 1, target_text = ?, "
+                "used_prototypes = ?, flagged_prototypes = ?, documents = ?, updated_at = ? "
+                "WHERE job_id = ? AND item_no = ? AND status = 'pending'",
+                (status, error, r.get("target_text"), json.dumps(r.get("used_prototypes", [])),
+                 json.dumps(r.get("flagged_prototypes", [])), json.dumps(r.get("documents", [])), now,
+                 job_id, item_no))
+            if cur.rowcount != 1:
+                return False
+            con.executemany(
+                "INSERT INTO results (job_id, item_no, rank, doc_id, score, raw_influence, seq_id) "
+                "VALUES (?, ?, ?, ?, ?, ?, ?)",
+                [(job_id, item_no, rank, d["doc_id"], d["score"], d.get("raw_influence"), d.get("seq_id"))
+                 for rank, d in enumerate(r.get("documents", []), 1)])
+            col = "n_failed" if error is not None else "n_done"
+            con.execute(f"UPDATE jobs SET {col} = {col} + 1, updated_at = ?, status = CASE WHEN "
+                        "n_done + n_failed + 1 >= n_items AND status = 'running' THEN 'completed' ELSE status END "
+                        "WHERE id = ?", (now, job_id))
+        return True
+
+    def audit_results(self, index_name: str | None = None, job_id: str | None = None) -> pa.Table:
+        """The ``audit_results`` table: one row per (job, item, rank), item fields repeated."""
+        where, args = [], []
+        if index_name is not None:
+            where.append("j.index_name = ?")
+            args.append(index_name)
+        if job_id is not None:
+            where.append("r.job_id = ?")
+            args.append(job_id)
+        sql = ("SELECT r.job_id, r.item_no, i.item_id, r.rank, r.doc_id, r.score, r.raw_influence, r.seq_id, "
+               "i.target_text, i.flagged_prototypes, i.used_prototypes FROM results r "
+               "JOIN items i ON i.job_id = r.job_id AND i.item_no = r.item_no JOIN jobs j ON j.id = r.job_id"
+               + (" WHERE " + " AND ".join(where) if where else "") + " ORDER BY r.job_id, r.item_no, r.rank")
+        with self._connect() as con:
+            rows = con.execute(sql, args).fetchall()
+        cols: dict[str, list[Any]] = {f.name: [] for f in AUDIT_RESULTS_SCHEMA}
+        for r in rows:
+            flagged = json.loads(r["flagged_prototypes"] or "[]")
+            for k in ("job_id", "item_no", "item_id", "rank", "doc_id", "score", "raw_influence", "seq_id",
+                      "target_text"):
+                cols[k].append(r[k])
+            cols["flagged"].append(bool(flagged))
+            cols["flagged_prototypes"].append(flagged)
+            cols["used_prototypes"].append(json.loads(r["used_prototypes"] or "[]"))
+        return pa.table(cols, schema=AUDIT_RESULTS_SCHEMA)
+
+    # ------------------------------------------------------------------------ prototype sets
+    def put_set(self, index_name: str, name: str, prototypes: list[int], description: str | None) -> dict[str, Any]:
+        with self._tx() as con:
+            con.execute("INSERT INTO prototype_sets (index_name, name, prototypes, description, updated_at) "
+                        "VALUES (?, ?, ?, ?, ?) ON CONFLICT (index_name, name) DO UPDATE SET "
+                        "prototypes = excluded.prototypes, description = excluded.description, "
+                        "updated_at = excluded.updated_at",
+                        (index_name, name, json.dumps(sorted(set(prototypes))), description, time.time()))
+        return self.get_set(index_name, name)  # type: ignore[return-value]
+
+    def get_set(self, index_name: str, name: str) -> dict[str, Any] | None:
+        with self._connect() as con:
+            row = con.execute("SELECT * FROM prototype_sets WHERE index_name = ? AND name = ?",
+                              (index_name, name)).fetchone()
+        return _set(row) if row is not None else None
+
+    def list_sets(self, index_name: str) -> list[dict[str, Any]]:
+        with self._connect() as con:
+            rows = con.execute("SELECT * FROM prototype_sets WHERE index_name = ? ORDER BY name",
+                               (index_name,)).fetchall()
+        return [_set(r) for r in rows]
+
+    def delete_set(self, index_name: str, name: str) -> bool:
+        with self._tx() as con:
+            return con.execute("DELETE FROM prototype_sets WHERE index_name = ? AND name = ?",
+                               (index_name, name)).rowcount == 1
+
+
+def _job(row: sqlite3.Row) -> dict[str, Any]:
+    d = dict(row)
+    d["params"] = json.loads(d["params"])
+    return d
+
+
+def _item(row: sqlite3.Row) -> dict[str, Any]:
+    d = dict(row)
+    for k in ("flag_prototypes", "used_prototypes", "flagged_prototypes", "documents"):
+        if k in d:
+            d[k] = json.loads(d[k]) if d[k] is not None else None
+    return d
+
+
+def _set(row: sqlite3.Row) -> dict[str, Any]:
+    return {"index": row["index_name"], "name": row["name"], "prototypes": json.loads(row["prototypes"]),
+            "description": row["description"], "updated_at": row["updated_at"]}

@@ -1,0 +1,102 @@
+"""The audit worker: a background thread that attributes pending audit items one at a time.
+
+Only one process per state directory runs it (an exclusive ``flock`` on ``audit-worker.lock``;
+the kernel releases it when the holder dies, and another server process takes over).
+"""
+
+from __future__ import annotations
+
+import fcntl
+import logging
+import os
+import threading
+from typing import Any
+
+from prism_tda.errors import PrismError
+
+from .indexes import Registry
+from .metrics import Metrics
+from .state import StateDB
+
+log = logging.getLogger("prism.service.audits")
+
+
+def outcome(res: dict[str, Any], flag: set[int]) -> dict[str, Any]:
+    """An item's stored result: target, prototypes used by the target tokens, the flagged ones, documents."""
+    used = sorted({p["proto_id"] for t in res["per_token"] for p in t["prototypes"] if p["act"] > 0})
+    docs = [{k: d.get(k) for k in ("doc_id", "score", "raw_influence", "seq_id", "external_id")}
+            for d in res["documents"]]
+    return {"target_text": res["query"]["target_text"], "used_prototypes": used,
+            "flagged_prototypes": [p for p in used if p in flag], "documents": docs}
+
+
+class AuditWorker:
+    def __init__(self, state: StateDB, registry: Registry, metrics: Metrics, poll_s: float) -> None:
+        self.state, self.registry, self.metrics, self.poll_s = state, registry, metrics, poll_s
+        self.wake = threading.Event()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="audit-worker", daemon=True)
+        self._lock_fd: int | None = None
+
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive()
+
+    @property
+    def leader(self) -> bool:
+        """Whether this process holds the worker lock (and so processes audits)."""
+        return self._lock_fd is not None
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self, timeout: float = 30.0) -> None:
+        self._stop.set()
+        self.wake.set()
+        self._thread.join(timeout)
+        if self._lock_fd is not None:
+            os.close(self._lock_fd)
+            self._lock_fd = None
+
+    def _try_lock(self) -> bool:
+        if self._lock_fd is None:
+            fd = os.open(self.state.dir / "audit-worker.lock", os.O_RDWR | os.O_CREAT, 0o644)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                os.close(fd)
+                return False
+            self._lock_fd = fd
+            log.info("this process runs the audit worker", extra={"pid": os.getpid()})
+        return True
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            try:
+                busy = self._try_lock() and self.step()
+            except Exception:  # keep the worker alive; the item stays pending and is retried
+                log.exception("audit worker error")
+                busy = False
+            if not busy:
+                self.wake.wait(self.poll_s)
+                self.wake.clear()
+
+    def step(self) -> bool:
+        """Process one pending item; False when there is none."""
+        item = self.state.next_item(list(self.registry.indexes))
+        if item is None:
+            return False
+        p = item["params"]
+        ix = self.registry.get(item["index_name"])
+        error, result = None, None
+        try:
+            res = ix.attribute(item["prompt"], item["completion"], max_new_tokens=item["max_new_tokens"],
+                               target_index=None, top_k=p["top_k"], mode=p["mode"], n_candidates=p["n_candidates"],
+                               opponents=False)
+            result = outcome(res, set(item["flag_prototypes"] or []))
+        except PrismError as e:
+            error = str(e)
+        done = self.state.finish_item(item["job_id"], item["item_no"], error=error, result=result)
+        if done:
+            self.metrics.audit_items.labels(status="failed" if error else "done").inc()
+        return True

@@ -1,0 +1,86 @@
+"""`prism serve` killed with SIGKILL in the middle of an audit: after a restart the audit completes and
+every item is processed exactly once."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import httpx
+import pytest
+
+from .conftest import free_port
+
+N_ITEMS, TOP_K = 150, 4
+
+
+def serve(index, state_dir, port, log) -> subprocess.Popen:
+    env = {**os.environ, "PRISM_MAX_BATCH_ITEMS": "1000", "PRISM_AUDIT_POLL_S": "0.1", "PRISM_RATE_LIMIT_PER_MINUTE": "0"}
+    return subprocess.Popen([sys.executable, "-m", "prism_tda.cli", "serve", "--index", f"tiny={index}",
+                             "--port", str(port), "--state-dir", str(state_dir)], env=env, stdout=log, stderr=log)
+
+
+def wait_ready(url: str, proc: subprocess.Popen, timeout: float = 120) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        assert proc.poll() is None, "the server exited"
+        try:
+            if httpx.get(url + "/readyz", timeout=2).status_code == 200:
+                return
+        except httpx.TransportError:
+            pass
+        time.sleep(0.2)
+    raise AssertionError("the server did not become ready")
+
+
+@pytest.mark.slow
+def test_sigkill_mid_audit_then_restart_processes_every_item_once(index, tmp_path):
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    state = tmp_path / "state"
+    log = open(tmp_path / "server.log", "wb")
+    items = [{"id": f"item-{i}", "prompt": "A computer" if i % 2 else "Love is", "completion": " is a"}
+             for i in range(N_ITEMS)]
+    body = {"items": items, "top_k": TOP_K, "mode": "exact"}
+    proc = serve(index, state, port, log)
+    try:
+        wait_ready(url, proc)
+        r = httpx.post(url + "/v1/audits", json=body, headers={"Idempotency-Key": "crash-1"}, timeout=30)
+        assert r.status_code == 202, r.text
+        job_id = r.json()["id"]
+        deadline = time.monotonic() + 60
+        while (done_at_kill := httpx.get(f"{url}/v1/audits/{job_id}").json()["n_done"]) < 10:
+            assert time.monotonic() < deadline, "the worker made no progress"
+            time.sleep(0.02)
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(10)
+        assert done_at_kill < N_ITEMS, "the audit finished before the kill; make it longer"
+
+        proc = serve(index, state, port, log)
+        wait_ready(url, proc)
+        again = httpx.post(url + "/v1/audits", json=body, headers={"Idempotency-Key": "crash-1"}, timeout=30)
+        assert again.json()["id"] == job_id  # resubmitting after the restart returns the same job
+        deadline = time.monotonic() + 180
+        while (job := httpx.get(f"{url}/v1/audits/{job_id}").json())["status"] != "completed":
+            assert time.monotonic() < deadline, f"the audit did not complete: {job}"
+            time.sleep(0.2)
+        assert (job["n_done"], job["n_failed"]) == (N_ITEMS, 0)
+        got = httpx.get(f"{url}/v1/audits/{job_id}/items", params={"limit": 1000}).json()["items"]
+        assert len(got) == N_ITEMS
+        assert all(i["status"] == "done" and i["completions"] == 1 and len(i["documents"]) == TOP_K for i in got)
+        assert sum(i["attempts"] for i in got) >= N_ITEMS
+        sql = ("SELECT count(*), count(DISTINCT (item_no, rank)), count(DISTINCT item_id) FROM audit_results "
+               f"WHERE job_id = '{job_id}'")
+        rows = httpx.post(url + "/v1/sql", json={"sql": sql}).json()["rows"]
+        assert rows == [[N_ITEMS * TOP_K, N_ITEMS * TOP_K, N_ITEMS]]
+    finally:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+        log.close()
