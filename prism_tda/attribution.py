@@ -82,12 +82,22 @@ class Attributor:
     def _load_tokens(self) -> None:
         t0 = time.perf_counter()
         parts = sorted((self.dir / "token_grads").glob("part-*.parquet"))
-        grads = pq.read_table(parts)
-        self.n_tokens = grads.num_rows
-        self.u = np.asarray(grads["u"].combine_chunks().flatten().to_numpy(zero_copy_only=False),
-                            dtype=np.float16).reshape(self.n_tokens, -1)
-        tok_seq = grads["seq_id"].to_numpy().astype(np.int64)
-        tok_key = tok_seq * 65536 + grads["pos"].to_numpy()
+        self.n_tokens = sum(pq.read_metadata(f).num_rows for f in parts)
+        # Q^T u_t of every training token, read batch by batch into one array (reading the whole
+        # table at once held several copies of it in the Arrow memory pool)
+        self.u = np.empty((self.n_tokens, self.curv.u_dim), dtype=np.float16)
+        tok_seq = np.empty(self.n_tokens, dtype=np.int64)
+        tok_pos = np.empty(self.n_tokens, dtype=np.int64)
+        k = 0
+        for f in parts:
+            for b in pq.ParquetFile(f).iter_batches(batch_size=1 << 14, columns=["seq_id", "pos", "u"],
+                                                    use_threads=False):
+                n = b.num_rows
+                self.u[k : k + n] = b.column(2).flatten().to_numpy(zero_copy_only=False).reshape(n, -1)
+                tok_seq[k : k + n] = b.column(0).to_numpy()
+                tok_pos[k : k + n] = b.column(1).to_numpy()
+                k += n
+        tok_key = tok_seq * 65536 + tok_pos
         seqs = pq.read_table(sorted((self.dir / "sequences").glob("part-*.parquet")),
                              columns=["seq_id", "doc_id", "start_token", "n_tokens", "token_ids", "target_ids"])
         self.seq_doc = seqs["doc_id"].to_numpy()
@@ -116,13 +126,13 @@ class Attributor:
         K = self.model.cfg.n_prototypes
         self.post_start = np.searchsorted(self.row_proto[order], np.arange(K + 1))
         # I(t, t) for every training token: sum_i a^2 sum_j u_j^2 / (lam_ij + lam)
+        # (in chunks of 32k rows: a few MB of temporaries instead of a copy of every row's gradient)
         self.tok_self = np.zeros(self.n_tokens, dtype=np.float64)
-        inv = self.inv.numpy()
-        for c in range(0, len(self.row_tok), 1 << 18):
-            sl = slice(c, c + (1 << 18))
-            u = self.u[self.row_tok[sl]].astype(np.float32)
-            val = self.row_act[sl] ** 2 * np.einsum("rj,rj->r", u * u, inv[self.row_proto[sl]])
-            np.add.at(self.tok_self, self.row_tok[sl], val)
+        for c in range(0, len(self.row_tok), 1 << 15):
+            sl = slice(c, c + (1 << 15))
+            u = torch.from_numpy(self.u[self.row_tok[sl]]).float()
+            val = self.row_act[sl] ** 2 * (u * u * self.inv[torch.from_numpy(self.row_proto[sl])]).sum(1).numpy()
+            self.tok_self += np.bincount(self.row_tok[sl], weights=val, minlength=self.n_tokens)
         self.load_seconds = time.perf_counter() - t0
 
     # --------------------------------------------------------------------------- queries
@@ -200,9 +210,12 @@ class Attributor:
             # many rows per token (a candidate's whole sequences): one product per token and prototype
             M = (torch.from_numpy(self.u[uniq]).float() @ Wq.T).numpy()  # (n_tok, P)
             val[hit] = self.row_act[rows[hit]] * M[inv_idx[hit], c[hit]]
-        else:  # about one row per token (posting lists): one dot per row
-            u = torch.from_numpy(self.u[tok[hit]]).float()
-            val[hit] = self.row_act[rows[hit]] * (u * Wq[torch.from_numpy(c[hit])]).sum(1).numpy()
+        else:  # about one row per token (posting lists): one dot per row, in chunks to bound memory
+            idx = np.nonzero(hit)[0]
+            for k in range(0, len(idx), 1 << 16):
+                sl = idx[k : k + (1 << 16)]
+                u = torch.from_numpy(self.u[tok[sl]]).float()
+                val[sl] = self.row_act[rows[sl]] * (u * Wq[torch.from_numpy(c[sl])]).sum(1).numpy()
         score = np.bincount(inv_idx, weights=val, minlength=len(uniq))
         return uniq, score, val, inv_idx
 
@@ -210,20 +223,24 @@ class Attributor:
         return raw / np.sqrt(max(q.self_influence, 1e-30) * np.maximum(self.tok_self[tok], 1e-30))
 
     def document_scores(self, q: Query, mode: str = "exact", n_candidates: int = 256) -> dict[str, np.ndarray]:
-        """Scores of every document for one query (0 where a document has no scored token).
+        """Scores of every document for one query (0 where a document has no scored token), under
+        several aggregations of its token scores.
 
-        ``cosine_max``: the served score (best token's cosine); ``raw_sum``: summed raw influence of
-        the document's tokens, the classical additive influence of the document."""
+        ``cosine_max``: the served score (best token's cosine); ``cosine_sum``: sum of the token
+        cosines; ``raw_sum``: summed raw influence of the document's tokens (the classical additive
+        influence of the document); ``raw_max``: the best token's raw influence."""
         rows = self.query_rows(q) if mode == "exact" else self.candidate_rows(q, n_candidates)[1]
         tok, raw, _, _ = self._score_rows(q, rows)
         cos = self._token_cosines(q, raw, tok)
         docs = self.seq_doc[self.tok_seq[tok]].astype(np.int64)
-        cos_max = np.full(self.n_docs, -np.inf)
-        np.maximum.at(cos_max, docs, cos)
-        cos_max[~np.isfinite(cos_max)] = 0.0
-        raw_sum = np.zeros(self.n_docs)
-        np.add.at(raw_sum, docs, raw)
-        return {"cosine_max": cos_max, "raw_sum": raw_sum}
+        out = {}
+        for name, v in (("cosine", cos), ("raw", raw)):
+            best = np.full(self.n_docs, -np.inf)
+            np.maximum.at(best, docs, v)
+            best[~np.isfinite(best)] = 0.0
+            out[f"{name}_max"] = best
+            out[f"{name}_sum"] = np.bincount(docs, weights=v, minlength=self.n_docs)
+        return out
 
     def query_rows(self, q: Query) -> np.ndarray:
         """Activation rows of every training token sharing a prototype with the query."""

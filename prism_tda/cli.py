@@ -238,7 +238,7 @@ def _index_args(items: list[str]) -> dict[str, str]:
             name, path = (p.parent.name if p.name == "index" else p.name), item
         if not name or name in out:
             raise ConfigError(f"--index {item!r}: " + ("empty name" if not name else f"name {name!r} given twice"))
-        out[name] = str(Path(path).resolve())
+        out[name] = str(Path(path).absolute())  # not resolved: a reload follows a moved symlink
     return out
 
 
@@ -260,12 +260,14 @@ def cmd_serve(args: argparse.Namespace) -> int:
         env["PRISM_STATE_DIR"] = str(Path(args.state_dir).resolve())
     os.environ.update(env)  # the server processes read their settings from the environment
     try:
-        Settings().check_serving()
+        settings = Settings()
+        settings.check_serving()
     except ValidationError as e:
         raise ConfigError("; ".join(f"PRISM_{'.'.join(map(str, x['loc'])).upper()}: {x['msg']}"
                                     for x in e.errors())) from None
     uvicorn.run("prism_tda.service.app:create_app_from_env", factory=True, host=args.host, port=args.port,
-                workers=args.workers, log_config=None, access_log=False, timeout_graceful_shutdown=10)
+                workers=args.workers, log_config=None, access_log=False,
+                timeout_graceful_shutdown=settings.graceful_shutdown_s)
     return 0
 
 
@@ -307,6 +309,21 @@ def cmd_openapi(args: argparse.Namespace) -> int:
     if args.check:
         if not path.is_file() or path.read_text() != text:
             print(f"{path} is out of date; run `prism openapi` to regenerate it", file=sys.stderr)
+            return 1
+        return 0
+    path.write_text(text)
+    print(path)
+    return 0
+
+
+def cmd_settings_doc(args: argparse.Namespace) -> int:
+    from .service.settings_doc import DEFAULT_PATH, render
+
+    text = render()
+    path = Path(args.out) if args.out else DEFAULT_PATH
+    if args.check:
+        if not path.is_file() or path.read_text() != text:
+            print(f"{path} is out of date; run `prism settings-doc` to regenerate it", file=sys.stderr)
             return 1
         return 0
     path.write_text(text)
@@ -419,6 +436,11 @@ def build_parser() -> argparse.ArgumentParser:
     o.add_argument("--out", help="output path (default: openapi.yaml at the repository top)")
     o.add_argument("--check", action="store_true", help="exit 1 when the file differs from the app")
     o.set_defaults(fn=cmd_openapi)
+
+    sd = sub.add_parser("settings-doc", help="write docs/settings.md (every PRISM_* setting) from the settings class")
+    sd.add_argument("--out", help="output path (default: docs/settings.md at the repository top)")
+    sd.add_argument("--check", action="store_true", help="exit 1 when the file differs from the settings class")
+    sd.set_defaults(fn=cmd_settings_doc)
     return p
 
 

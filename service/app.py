@@ -18,12 +18,12 @@ from fastapi.routing import APIRoute
 from prism_tda import __version__
 from prism_tda.logs import setup_logging
 
-from . import problems
+from . import lifecycle, problems
 from .deps import Services, get_principal
 from .indexes import Registry
 from .metrics import Metrics
 from .middleware import BodyLimit, RequestContext
-from .routers import attribute, audits, documents, generate, health, prototypes, sql
+from .routers import admin, attribute, audits, documents, generate, health, prototypes, sql, ui
 from .security import Guard
 from .settings import Settings
 from .state import StateDB
@@ -71,13 +71,16 @@ def create_app(settings: Settings | None = None) -> FastAPI:
                              for n in services.registry.indexes}
         services.worker.start()
         app.state.services = services
+        uninstall_sighup = lifecycle.install_sighup(services)
         log.info("serving", extra={"indexes": list(services.registry.indexes), "default": services.registry.default,
                                    "auth": bool(settings.api_keys)})
         try:
             yield
         finally:
+            uninstall_sighup()
+            await lifecycle.drain(services, settings.graceful_shutdown_s)
             app.state.services = None
-            services.worker.stop()
+            await anyio.to_thread.run_sync(services.worker.stop, settings.graceful_shutdown_s)
             services.registry.close()
 
     app = FastAPI(title="PRISM-TDA", version=__version__, description=DESCRIPTION, lifespan=lifespan,
@@ -88,7 +91,10 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     for r in (attribute.router, audits.router, sql.router, prototypes.router, prototypes.sets_router,
               documents.router, generate.router):
         app.include_router(r, prefix="/v1", dependencies=guarded)
+    app.include_router(admin.router, prefix="/v1", dependencies=[Depends(admin.get_admin)])
     app.include_router(health.router)
+    app.include_router(ui.router)
+    app.mount("/static", ui.static_files(), name="static")
     app.add_middleware(BodyLimit, max_bytes=settings.max_body_bytes)
     if settings.cors_origins:
         app.add_middleware(CORSMiddleware, allow_origins=settings.cors_origins, allow_methods=["*"],

@@ -2,12 +2,20 @@
 
 Everything here is loaded once at start-up and read-only afterwards, so concurrent requests can
 share it; the methods are synchronous and CPU-bound, and the routes run them in worker threads.
+
+A served index can be replaced while the server runs (:meth:`Registry.swap`): the new version is
+loaded beside the old one, checked to come from the same checkpoint and tokenizer, and then the
+registry's mapping is replaced in one assignment. A request holds the ``LoadedIndex`` it looked up
+for its whole life, so in-flight requests finish on the old version; its DuckDB store is closed
+when the last of them lets go of it.
 """
 
 from __future__ import annotations
 
 import logging
+import threading
 import time
+import weakref
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -15,6 +23,8 @@ from typing import Any
 import torch
 
 from prism_tda.attribution import Attributor
+from prism_tda.errors import PrismError
+from prism_tda.indexer import store as index_store
 from prism_tda.model.tokenizer import eos_id
 
 from . import problems
@@ -143,22 +153,86 @@ class LoadedIndex:
         self.store.close()
 
 
-class Registry:
-    """The loaded indexes by name, and the default one."""
+class IndexMismatch(problems.ServiceError):
+    """The new index version was built from another checkpoint or tokenizer than the served one."""
 
-    def __init__(self, indexes: dict[str, LoadedIndex], default: str) -> None:
+    kind, status, title = "index-mismatch", 409, "The index was built from another model than the served one"
+
+
+class InvalidIndex(problems.ServiceError):
+    """The directory given for a new index version is not a complete, loadable index."""
+
+    kind, status, title = "invalid-index", 422, "The directory is not a loadable index"
+
+
+# What must stay equal between the served index and its replacement: the model and its tokenizer.
+SWAP_IDENTITY = ("checkpoint_sha256", "tokenizer_sha256")
+
+
+def read_identity(index_dir: Path) -> dict[str, Any]:
+    """The manifest identity of a complete index directory, or :class:`InvalidIndex`."""
+    if not index_dir.is_dir():
+        raise InvalidIndex(f"dir: {index_dir} is not a directory")
+    try:
+        m = index_store.read_manifest(index_dir)
+    except (OSError, ValueError, PrismError) as e:
+        raise InvalidIndex(f"dir: {index_dir}/manifest.json cannot be read: {e}") from None
+    if m is None or not m.get("complete"):
+        raise InvalidIndex(f"dir: {index_dir} is not a complete index (manifest.json missing or incomplete)")
+    return dict(m.get("identity") or {})
+
+
+class Registry:
+    """The loaded indexes by name, and the default one.
+
+    ``indexes`` is never changed in place: a swap assigns a new dict, so a reader always sees one
+    consistent mapping without taking a lock.
+    """
+
+    def __init__(self, indexes: dict[str, LoadedIndex], default: str, settings: Settings | None = None) -> None:
         self.indexes, self.default = indexes, default
+        self.settings = settings
+        self._swap_lock = threading.Lock()
 
     @classmethod
     def load(cls, settings: Settings) -> Registry:
         loaded = {name: LoadedIndex.load(name, Path(d), settings) for name, d in settings.indexes.items()}
-        return cls(loaded, settings.default or next(iter(loaded)))
+        return cls(loaded, settings.default or next(iter(loaded)), settings)
 
     def get(self, name: str | None) -> LoadedIndex:
         ix = self.indexes.get(name or self.default)
         if ix is None:
             raise problems.UnknownIndex(f"index: {name!r} is not served here; choose one of {sorted(self.indexes)}")
         return ix
+
+    def swap(self, name: str, new_dir: str | Path | None = None) -> tuple[LoadedIndex, LoadedIndex]:
+        """Load a new version of index ``name`` (from ``new_dir``, default: the directory it is served
+        from, read again) and put it in place; return (old, new). Swaps run one at a time; requests
+        keep being answered by the old version until the assignment, and the old version keeps
+        serving when anything goes wrong."""
+        assert self.settings is not None, "a registry built without settings cannot load indexes"
+        with self._swap_lock:
+            old = self.get(name)
+            target = Path(new_dir) if new_dir is not None else old.dir
+            target = target if target.is_absolute() else Path.cwd() / target
+            served = {k: old.attributor.manifest["identity"].get(k) for k in SWAP_IDENTITY}
+            ident = read_identity(target)
+            diff = {k: (served[k], ident.get(k)) for k in SWAP_IDENTITY if ident.get(k) != served[k]}
+            if diff:
+                raise IndexMismatch(
+                    f"dir: {target} was built from another model than index {name!r} serves "
+                    + "; ".join(f"{k}: served {a}, new {b}" for k, (a, b) in diff.items())
+                    + ". A swap keeps the model; serve an index of another model under another name or restart.")
+            try:
+                new = LoadedIndex.load(name, target, self.settings)
+            except PrismError as e:
+                raise InvalidIndex(f"dir: {target} cannot be loaded: {e}") from None
+            self.indexes = {**self.indexes, name: new}
+            # The old version's store closes once no in-flight request holds the old object.
+            weakref.finalize(old, old.store.close)
+        log.info("index swapped", extra={"index": name, "old_dir": str(old.dir), "new_dir": str(new.dir),
+                                         "documents": new.n_documents, "seconds": round(new.load_seconds, 2)})
+        return old, new
 
     def close(self) -> None:
         for ix in self.indexes.values():

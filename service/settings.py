@@ -44,6 +44,14 @@ class Settings(BaseSettings):
     api_keys: list[SecretStr] = Field(
         default_factory=list,
         description="Accepted bearer tokens (JSON list). Empty: no authentication, allowed only on loopback.")
+    admin_api_keys: list[SecretStr] = Field(
+        default_factory=list,
+        description="Bearer tokens for the admin endpoints (`/v1/admin`, e.g. index reload), JSON list. "
+                    "When set, only these keys are accepted there; empty: the admin endpoints accept `api_keys` "
+                    "like every other endpoint.")
+    graceful_shutdown_s: float = Field(
+        30.0, gt=0, description="On SIGTERM, how long requests in flight may take to finish before they are "
+                                "cancelled; the audit worker finishes its current item within the same time.")
     rate_limit_per_minute: int = Field(
         600, ge=0, description="Requests per minute per API key (per client address without keys); 0 = off. "
                                "Counted per server process.")

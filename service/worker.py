@@ -1,7 +1,8 @@
 """The audit worker: a background thread that attributes pending audit items one at a time.
 
 Only one process per state directory runs it (an exclusive ``flock`` on ``audit-worker.lock``;
-the kernel releases it when the holder dies, and another server process takes over).
+the kernel releases it when the holder dies, and another server process takes over). It stops at
+an item boundary: :meth:`AuditWorker.stop` lets the item in hand commit, then takes no other.
 """
 
 from __future__ import annotations
@@ -51,9 +52,15 @@ class AuditWorker:
         self._thread.start()
 
     def stop(self, timeout: float = 30.0) -> None:
+        """Finish the item in hand (waiting at most ``timeout`` seconds), then stop."""
         self._stop.set()
         self.wake.set()
         self._thread.join(timeout)
+        if self._thread.is_alive():
+            log.warning("the audit worker did not finish its item in time; it stays pending and is "
+                        "processed again after a restart", extra={"timeout_s": timeout})
+        else:
+            log.info("audit worker stopped")
         if self._lock_fd is not None:
             os.close(self._lock_fd)
             self._lock_fd = None
@@ -82,7 +89,9 @@ class AuditWorker:
                 self.wake.clear()
 
     def step(self) -> bool:
-        """Process one pending item; False when there is none."""
+        """Process one pending item; False when there is none (or the worker is stopping)."""
+        if self._stop.is_set():
+            return False
         item = self.state.next_item(list(self.registry.indexes))
         if item is None:
             return False

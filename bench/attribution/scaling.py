@@ -17,7 +17,6 @@ import gzip
 import json
 import multiprocessing as mp
 import random
-import resource
 import sys
 import time
 from pathlib import Path
@@ -29,7 +28,7 @@ import torch
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 sys.path.insert(0, str(HERE))
-from _common import finish  # noqa: E402
+from _common import finish, peak_rss_mb  # noqa: E402
 
 from prism_tda import demo_corpus_path  # noqa: E402
 
@@ -69,7 +68,7 @@ def _time_method(method: str, index_dir: str, out_json: str, queries: list[tuple
         docs = pq.read_table(index / "documents", columns=["text"])["text"].to_pylist()
         r = baselines.bm25_scores(docs, [p + c for p, c in queries])
         out |= {"setup_seconds": r["fit_seconds"], "seconds_per_query": r["score_seconds"] / len(queries)}
-    out["peak_rss_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    out["peak_rss_mb"] = peak_rss_mb()
     Path(out_json).write_text(json.dumps(out))
 
 

@@ -1,0 +1,81 @@
+"""Administration: replace a served index with a new version while the server keeps answering."""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import os
+from typing import Annotated
+
+import anyio
+from fastapi import APIRouter, Depends, Path, Request
+from fastapi.security import HTTPAuthorizationCredentials
+from pydantic import BaseModel, ConfigDict, Field
+
+from .. import problems as p
+from ..deps import ServicesDep, _bearer, get_principal
+from ..indexes import IndexMismatch, InvalidIndex, LoadedIndex
+
+router = APIRouter(prefix="/admin", tags=["admin"])
+
+
+def get_admin(request: Request, services: ServicesDep,
+              credentials: Annotated[HTTPAuthorizationCredentials | None, Depends(_bearer)]) -> str:
+    """With ``PRISM_ADMIN_API_KEYS`` set, only those keys; otherwise the same rule as every endpoint."""
+    keys = [k.get_secret_value().encode() for k in services.settings.admin_api_keys]
+    if not keys:
+        return get_principal(request, services, credentials)
+    given = credentials.credentials.encode() if credentials is not None else b""
+    if not given or not any(hmac.compare_digest(given, k) for k in keys):
+        raise p.Unauthorized("send `Authorization: Bearer <admin API key>` with a key from PRISM_ADMIN_API_KEYS",
+                             headers={"WWW-Authenticate": "Bearer"})
+    return "admin:" + hashlib.sha256(given).hexdigest()[:16]
+
+
+class ReloadRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    dir: str | None = Field(None, min_length=1, max_length=4096,
+                            description="Directory of the new index version, as the server sees it (relative "
+                                        "paths from its working directory). Default: the directory the index "
+                                        "is served from, read again (e.g. after a symlink was moved).")
+
+
+class IndexVersion(BaseModel):
+    dir: str = Field(description="Index directory.")
+    corpus_fingerprint: str | None = Field(description="Fingerprint of the corpus the index was built from.")
+    documents: int = Field(description="Training documents in the index.")
+
+
+class ReloadResponse(BaseModel):
+    index: str = Field(description="The index name.")
+    checkpoint_sha256: str = Field(description="The model checkpoint both versions were built from.")
+    previous: IndexVersion = Field(description="The version served before; requests already running finish on it.")
+    current: IndexVersion = Field(description="The version every new request uses.")
+    load_seconds: float = Field(description="Time to load the new version.")
+    pid: int = Field(description="The server process that swapped (each process of `--workers N` holds its own "
+                                 "copy; see docs/service.md).")
+
+
+def _version(ix: LoadedIndex) -> IndexVersion:
+    m = ix.attributor.manifest
+    return IndexVersion(dir=str(ix.dir), corpus_fingerprint=m.get("identity", {}).get("corpus_fingerprint"),
+                        documents=ix.n_documents)
+
+
+@router.post("/indexes/{name}/reload", response_model=ReloadResponse,
+             responses=p.responses(p.UnknownIndex, IndexMismatch, InvalidIndex))
+async def reload_index(name: Annotated[str, Path(max_length=200, description="The served index to replace.")],
+                       services: ServicesDep, body: ReloadRequest | None = None) -> ReloadResponse:
+    """Load a new version of a served index and switch to it without interrupting requests.
+
+    The new version is loaded beside the old one (in a worker thread), must come from the same
+    checkpoint and tokenizer (409 `index-mismatch` otherwise; the old version keeps serving), and
+    then replaces it atomically: requests already running finish on the old version, every later
+    request uses the new one. Reloads of one server run one at a time."""
+    services.registry.get(name)
+    old, new = await anyio.to_thread.run_sync(services.registry.swap, name, body.dir if body else None)
+    services.metrics.index_load_seconds.labels(name).set(new.load_seconds)
+    return ReloadResponse(index=name, checkpoint_sha256=new.attributor.manifest["identity"]["checkpoint_sha256"],
+                          previous=_version(old), current=_version(new), load_seconds=round(new.load_seconds, 3),
+                          pid=os.getpid())

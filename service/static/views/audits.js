@@ -1,0 +1,151 @@
+// Audits: submit a batch of (prompt, output) items, watch the job, browse its results.
+
+import { api, download, session } from "../api.js";
+import { clear, field, h, num, parseIds } from "../dom.js";
+import { busy, errorBox, protoLink, table } from "../ui.js";
+
+const RECENT = "prism.audits";
+const EXAMPLE = [
+  { id: "a", prompt: "The king of France", max_new_tokens: 8 },
+  { id: "b", prompt: "A computer is", completion: " a machine that does what you tell it" },
+].map((x) => JSON.stringify(x)).join("\n");
+
+function recent() {
+  try { return JSON.parse(localStorage.getItem(RECENT) || "[]"); } catch { return []; }
+}
+
+function remember(job) {
+  const list = [{ id: job.id, index: job.index, n: job.n_items, at: job.created_at },
+    ...recent().filter((j) => j.id !== job.id)].slice(0, 20);
+  localStorage.setItem(RECENT, JSON.stringify(list));
+}
+
+/** JSONL text -> items, or an Error naming the first bad line. */
+export function parseJsonl(text) {
+  const items = [];
+  text.split(/\r?\n/).forEach((line, n) => {
+    if (!line.trim()) return;
+    let obj;
+    try { obj = JSON.parse(line); } catch (e) { throw new Error(`line ${n + 1}: not JSON (${e.message})`); }
+    if (!obj || typeof obj !== "object" || Array.isArray(obj)) throw new Error(`line ${n + 1}: expected a JSON object`);
+    if (typeof obj.prompt !== "string") throw new Error(`line ${n + 1}: needs a "prompt" string`);
+    items.push(obj);
+  });
+  if (!items.length) throw new Error("No items: paste one JSON object per line, or choose a file.");
+  return items;
+}
+
+export async function render(root, { args }) {
+  if (args[0]) return renderJob(root, args[0]);
+  const text = h("textarea", { id: "audit-jsonl", rows: 8, class: "mono", spellcheck: "false", placeholder: EXAMPLE });
+  const file = h("input", { id: "audit-file", type: "file", accept: ".jsonl,.json,.ndjson,.txt,application/x-ndjson" });
+  const topK = h("input", { id: "audit-topk", type: "number", min: 1, max: 100, value: 5 });
+  const flag = h("input", { id: "audit-flag", type: "text", placeholder: "e.g. 17, 42", spellcheck: "false" });
+  const submit = h("button", { type: "submit", class: "primary" }, "Start audit");
+  const status = h("p", { class: "status", role: "status" });
+  const out = h("div");
+  file.addEventListener("change", async () => {
+    if (file.files[0]) text.value = await file.files[0].text();
+  });
+  const form = h("form", { class: "card form", "aria-label": "New audit" },
+    field("Items (JSONL: one object per line with prompt, and completion or max_new_tokens; id optional)", text),
+    h("div", { class: "row" }, field("…or upload a JSONL file", file),
+      h("button", { type: "button", onclick: () => { text.value = EXAMPLE; } }, "Use an example")),
+    h("div", { class: "row" }, field("Documents per item", topK),
+      field("Flag items using prototypes", flag, "Optional ids; flagged items are marked in the results.")),
+    h("div", { class: "row" }, submit, status));
+  form.addEventListener("submit", async (e) => {
+    e.preventDefault();
+    let body;
+    try {
+      body = { items: parseJsonl(text.value), top_k: Number(topK.value) };
+      const ids = parseIds(flag.value);
+      if (ids.length) body.flag_prototypes = ids;
+    } catch (err) {
+      clear(out, errorBox(err));
+      return;
+    }
+    await busy(submit, status, "Submitting…", async () => {
+      try {
+        const job = await api("POST", "/v1/audits", { body });
+        remember(job);
+        location.hash = `#/audits/${encodeURIComponent(job.id)}`;
+      } catch (err) {
+        clear(out, errorBox(err));
+      }
+    });
+  });
+  const openId = h("input", { id: "audit-open", type: "text", spellcheck: "false", placeholder: "audit id" });
+  const mine = recent().filter((j) => !session.index || j.index === session.index);
+  root.append(h("h1", {}, "Audits"),
+    h("p", { class: "lede" }, "Attribute many outputs at once in the background; the results are also in SQL as audit_results."),
+    form, out,
+    h("section", { class: "card" }, h("h2", {}, "Recent audits"),
+      mine.length ? h("ul", { class: "plain" }, mine.map((j) => h("li", {},
+        h("a", { href: `#/audits/${encodeURIComponent(j.id)}` }, j.id),
+        h("span", { class: "muted" }, ` · ${j.n} items · ${new Date(j.at * 1000).toLocaleString()}`))))
+        : h("p", { class: "muted" }, "None from this browser yet."),
+      h("form", { class: "row inline", "aria-label": "Open an audit",
+        onsubmit: (e) => { e.preventDefault(); if (openId.value.trim()) location.hash = `#/audits/${encodeURIComponent(openId.value.trim())}`; } },
+      field("Open by id", openId), h("button", { type: "submit" }, "Open"))));
+}
+
+function renderJob(root, id) {
+  const progress = h("progress", { id: "audit-progress", max: 1, value: 0 });
+  const line = h("p", { class: "status", role: "status", id: "audit-status" }, "Loading…");
+  const cancel = h("button", { type: "button", hidden: true }, "Cancel");
+  const results = h("div", { id: "audit-results" });
+  const downloads = h("p", { class: "actions" },
+    h("button", { type: "button", onclick: () => download(`/v1/audits/${id}/results`, { format: "jsonl" }, `${id}.jsonl`).catch((e) => results.prepend(errorBox(e))) }, "Download JSONL"),
+    h("button", { type: "button", onclick: () => download(`/v1/audits/${id}/results`, { format: "parquet" }, `${id}.parquet`).catch((e) => results.prepend(errorBox(e))) }, "Download Parquet"));
+  root.append(h("h1", {}, "Audit ", h("code", {}, id)),
+    h("p", {}, h("a", { href: "#/audits" }, "← all audits")),
+    h("section", { class: "card" }, h("div", { class: "row" }, progress, line, cancel), downloads), results);
+  let stopped = false;
+  let timer = null;
+  let shown = -1;
+  cancel.addEventListener("click", async () => {
+    try { await api("POST", `/v1/audits/${id}/cancel`); } catch (e) { results.prepend(errorBox(e)); }
+  });
+
+  async function poll() {
+    if (stopped) return;
+    try {
+      const job = await api("GET", `/v1/audits/${id}`);
+      if (stopped) return;
+      progress.value = job.progress;
+      const finished = job.status === "completed" || job.status === "cancelled";
+      line.textContent = `${job.status} · ${job.n_done} of ${job.n_items} done` +
+        `${job.n_failed ? `, ${job.n_failed} failed` : ""} · ${Math.round(100 * job.progress)}%`;
+      line.dataset.status = job.status;
+      cancel.hidden = finished;
+      const seen = job.n_done + job.n_failed;
+      if (seen !== shown || finished) {
+        shown = seen;
+        const res = await api("GET", `/v1/audits/${id}/items`, { query: { limit: 200 } });
+        if (!stopped) showItems(results, res);
+      }
+      if (!finished) timer = setTimeout(poll, 500);
+    } catch (e) {
+      clear(results, errorBox(e));
+      line.textContent = "";
+    }
+  }
+  poll();
+  return () => { stopped = true; clearTimeout(timer); };
+}
+
+function showItems(el, res) {
+  const rows = res.items.map((it) => [
+    String(it.item_no), it.id ?? "", h("span", { class: `badge ${it.status}` }, it.status),
+    it.error ? h("span", { class: "error-inline" }, it.error) : h("code", { class: "wrap" }, it.target_text ?? ""),
+    it.flagged ? h("span", { class: "badge flagged" }, "flagged ", it.flagged_prototypes.map((p) => [" ", protoLink(p)])) : "",
+    h("span", { class: "chips" }, it.used_prototypes.slice(0, 10).map((p) => [protoLink(p), " "]),
+      it.used_prototypes.length > 10 ? `+${it.used_prototypes.length - 10}` : null),
+    it.documents.length ? h("ol", { class: "mini" }, it.documents.slice(0, 3).map((d) => h("li", {},
+      h("a", { href: `#/document/${d.doc_id}` }, d.external_id || `doc ${d.doc_id}`), ` ${num(d.score)}`))) : "",
+  ]);
+  clear(el, h("section", { class: "card" }, h("h2", {}, `Items (${res.job.n_items})`),
+    table(["#", "id", "status", "output", "flag", "prototypes used", "top documents"], rows),
+    res.items.length < res.job.n_items ? h("p", { class: "muted" }, `Showing the first ${res.items.length}; download for all.`) : null));
+}

@@ -1,0 +1,199 @@
+"""The web page in headless Chromium against a live server on the tiny index."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import httpx
+import pytest
+
+from tests.service.conftest import service_settings, start
+
+PROMPT = "The man said that"
+
+
+def attribute(page, url: str, prompt: str = PROMPT, n_new: int = 6) -> None:
+    page.goto(url + "/#/attribute")
+    page.fill("#attr-prompt", prompt)
+    page.fill("#attr-new", str(n_new))
+    page.get_by_role("button", name="Attribute", exact=True).click()
+    page.wait_for_selector("#tokens button.tok")
+
+
+def numbers(page, selector: str) -> list[float]:
+    return [float(t) for t in page.locator(selector).all_inner_texts()]
+
+
+def test_page_is_served_outside_the_api(web_live):
+    r = httpx.get(web_live.url + "/")
+    assert r.status_code == 200 and "<main" in r.text
+    assert "default-src 'self'" in r.headers["content-security-policy"]
+    for asset in re.findall(r'(?:src|href)="(/static/[^"]+)"', r.text):
+        assert httpx.get(web_live.url + asset).status_code == 200, asset
+    assert "/" not in httpx.get(web_live.url + "/openapi.json").json()["paths"]
+
+
+def test_prompt_gives_highlighted_documents_and_slices_add_up(page, web_live):
+    attribute(page, web_live.url)
+    docs = page.locator("#docs-panel .doc")
+    docs.first.wait_for()
+    assert page.locator("#docs-panel").get_by_role("heading").inner_text() == "Top documents for the whole output"
+    marks = page.locator("#docs-panel .doc .snippet mark")
+    assert marks.count() > 0 and all(t for t in marks.all_inner_texts())
+    assert all(0 <= float(s) <= 1 for s in page.locator("#docs-panel .score b").all_inner_texts())
+
+    n_tokens = page.locator("#tokens button.tok").count()
+    assert n_tokens == 6
+    for i in (0, n_tokens - 1):
+        page.locator("#tokens button.tok").nth(i).click()
+        panel = page.locator("#token-panel")
+        panel.get_by_role("heading", name=f"Token {i + 1} of {n_tokens}").wait_for()
+        logit = float(panel.locator(".logit").inner_text())
+        parts = numbers(page, "#token-panel td.contribution")  # every prototype, then the residual
+        assert len(parts) >= 2
+        # each number is shown rounded to 3 decimals
+        assert abs(sum(parts) - logit) <= 0.0005 * (len(parts) + 1) + 1e-9, (parts, logit)
+        assert float(panel.locator("td.total").inner_text()) == logit
+        assert float(panel.locator(".residual").inner_text()) == parts[-1]
+        assert panel.locator(".slices .slice").count() == len(parts)
+        assert page.locator(f"#tokens button.tok[data-index='{i}']").get_attribute("aria-pressed") == "true"
+        heading = page.locator("#docs-panel").get_by_role("heading", name=f"Top documents for token {i + 1}")
+        heading.wait_for()
+        page.locator("#docs-panel .doc").first.wait_for()
+
+    # keyboard: a token is a real button; Enter opens it
+    page.locator("#tokens button.tok").nth(1).focus()
+    page.keyboard.press("Enter")
+    page.locator("#token-panel").get_by_role("heading", name=f"Token 2 of {n_tokens}").wait_for()
+    page.get_by_role("button", name="whole output").click()
+    page.locator("#docs-panel").get_by_role("heading", name="Top documents for the whole output").wait_for()
+
+
+def test_prototype_page_opens(page, web_live):
+    attribute(page, web_live.url)
+    page.locator("#tokens button.tok").first.click()
+    link = page.locator("#token-panel a.proto").first
+    proto = int(link.inner_text().split()[-1])
+    link.click()
+    page.get_by_role("heading", name=f"Prototype {proto}", exact=True).wait_for()
+    assert page.url.endswith(f"#/prototype/{proto}")
+    page.locator(".signature li").first.wait_for()
+    active = page.locator(".contexts mark.active")
+    assert active.count() > 0 and active.first.inner_text()
+    assert int(page.locator(".stats dd").first.inner_text().replace(",", "")) > 0
+    # usage: the tokens it fires on, counted over the training activations, most first
+    counts = page.locator("#fires-on li .n")
+    counts.first.wait_for()
+    shown = [int(c.replace(",", "")) for c in counts.all_inner_texts()]
+    assert shown == sorted(shown, reverse=True) and shown[0] > 0
+    page.locator("#suppress-proto").click()
+    page.get_by_role("heading", name="Generate with suppression").wait_for()
+    assert page.input_value("#gen-suppress") == str(proto)
+
+
+def test_suppressed_generation_differs(page, web_live):
+    attribute(page, web_live.url, n_new=8)
+    page.locator("#suppress-output").click()  # the prototypes carrying every generated token
+    page.get_by_role("heading", name="Generate with suppression").wait_for()
+    assert page.input_value("#gen-prompt") == PROMPT
+    ids = [int(x) for x in page.input_value("#gen-suppress").split(",")]
+    page.fill("#gen-new", "8")
+    page.get_by_role("button", name="Compare").click()
+    verdict = page.locator("#verdict")
+    verdict.wait_for()
+    plain = page.locator(".gen.plain .gen-text").inner_text()
+    suppressed = page.locator(".gen.suppressed .gen-text").inner_text()
+    assert plain != suppressed
+    assert "differ" in verdict.inner_text()
+    # the page shows what the API gives for the same request
+    body = {"prompt": PROMPT, "max_new_tokens": 8, "suppress": ids}
+    api = httpx.post(web_live.url + "/v1/generate", json=body, timeout=60).json()
+    assert suppressed == PROMPT + api["completion"]
+
+
+def test_audit_completes(page, web_live):
+    items = [{"id": "first", "prompt": PROMPT, "max_new_tokens": 4},
+             {"id": "second", "prompt": "It was a", "completion": " long time ago"}]
+    page.goto(web_live.url + "/#/audits")
+    page.fill("#audit-jsonl", "\n".join(json.dumps(i) for i in items))
+    page.get_by_role("button", name="Start audit").click()
+    page.wait_for_url(re.compile(r"#/audits/[^/]+$"))
+    page.locator("#audit-status[data-status='completed']").wait_for(timeout=60_000)
+    assert "2 of 2 done" in page.locator("#audit-status").inner_text()
+    assert page.locator("#audit-progress").evaluate("p => p.value") == 1
+    rows = page.locator("#audit-results tbody tr")
+    assert rows.count() == 2
+    for n, item in enumerate(items):
+        row = rows.nth(n)
+        assert item["id"] in row.inner_text() and "done" in row.inner_text()
+        assert row.locator("ol.mini a").count() > 0
+    # the audit is listed among this browser's recent audits
+    audit_id = page.url.rsplit("/", 1)[-1]
+    page.goto(web_live.url + "/#/audits")
+    assert page.get_by_role("link", name=audit_id).count() == 1
+
+
+def test_sql_rows_and_a_clear_error(page, web_live):
+    page.goto(web_live.url + "/#/sql")
+    page.fill("#sql-box", "SELECT doc_id, external_id FROM documents ORDER BY doc_id LIMIT 3")
+    page.get_by_role("button", name="Run", exact=True).click()
+    page.locator("#sql-status", has_text="3 rows").wait_for()
+    assert page.locator("#sql-out thead th").all_inner_texts()[0].startswith("doc_id")
+    assert page.locator("#sql-out tbody tr").count() == 3
+
+    page.fill("#sql-box", "COPY documents TO '/tmp/prism-web-test.csv'")
+    page.locator("#sql-box").press("Control+Enter")
+    alert = page.locator("#sql-out [role=alert]")
+    alert.wait_for()
+    text = alert.inner_text()
+    assert "not allowed" in text and "COPY" in text and "HTTP 403" in text, text
+    assert page.locator("#sql-out table").count() == 0
+
+    page.fill("#sql-box", "SELEC 1")
+    page.get_by_role("button", name="Run", exact=True).click()
+    page.locator("#sql-out [role=alert]", has_text="does not parse").wait_for()
+
+    page.get_by_role("button", name="Most used prototypes").click()
+    page.locator("#sql-out tbody tr").first.wait_for()
+    assert page.locator("#sql-out thead th").all_inner_texts()[0].startswith("proto_id")
+
+
+def test_narrow_width_has_no_sideways_scroll(page, web_live):
+    page.set_viewport_size({"width": 390, "height": 800})
+    attribute(page, web_live.url)
+    page.locator("#tokens button.tok").first.click()
+    page.locator("#docs-panel .doc").first.wait_for()
+    assert page.evaluate("document.documentElement.scrollWidth") <= 390
+    page.get_by_role("link", name="SQL", exact=True).click()
+    page.locator("#sql-box").wait_for()
+    assert page.evaluate("document.documentElement.scrollWidth") <= 390
+
+
+@pytest.fixture(scope="module")
+def keyed(index, tmp_path_factory):
+    settings = service_settings(index, tmp_path_factory.mktemp("web-keyed"), api_keys=["s3cret-key"])
+    server, thread = start(settings)
+    yield f"http://127.0.0.1:{settings.port}"
+    server.should_exit = True
+    thread.join(30)
+
+
+def test_api_key_field(browser, keyed):
+    context = browser.new_context()
+    page = context.new_page()
+    page.set_default_timeout(30_000)
+    try:
+        page.goto(keyed + "/#/sql")
+        page.get_by_role("button", name="Run", exact=True).click()
+        alert = page.locator("#sql-out [role=alert]")
+        alert.wait_for()
+        assert "HTTP 401" in alert.inner_text() and "API key" in alert.inner_text()
+        assert page.locator("#key-box").get_attribute("open") is not None
+        page.fill("#api-key", "s3cret-key")
+        page.get_by_role("button", name="Use", exact=True).click()
+        page.get_by_role("button", name="Run", exact=True).click()
+        page.locator("#sql-out tbody tr").first.wait_for()
+        assert page.evaluate("sessionStorage.getItem('prism.apiKey')") == "s3cret-key"
+    finally:
+        context.close()
