@@ -101,7 +101,7 @@ def main(argv: list[str] | None = None) -> dict:
         if not (d / "index" / "manifest.json").exists():
             build_index(ck, [str(corpus)], d / "index", progress=False)
         index_s = time.perf_counter() - t0
-        n_seq = pq.read_metadata(next((d / "index" / "sequences").glob("*.parquet"))).num_rows
+        n_seq = sum(pq.read_metadata(f).num_rows for f in (d / "index" / "sequences").glob("*.parquet"))
         for method in ("prism_fast", "prism_exact", "ekfac", "trak", "bm25"):
             if method == "trak" and n > args.trak_max_docs:
                 continue
