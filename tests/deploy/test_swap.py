@@ -119,6 +119,10 @@ def test_swap_under_load_fails_no_request_and_refuses_another_model(index_a, ind
         assert {version_of(r[3], ids_a, ids_b) for r in load.started_after(t_refused)} == {"a"}
         # SIGHUP with an unchanged directory reloads the same version and fails nothing either.
         server.signal(signal.SIGHUP)
+        deadline = time.monotonic() + 60  # the reload runs in the background: wait for it under load
+        while server.log_path.read_text().count("index swapped") < 3:
+            assert time.monotonic() < deadline, "SIGHUP with an unchanged directory did not reload:\n" + server.log()
+            time.sleep(0.1)
         load.wait_for(len(load.results) + 6)
 
     failed = [r for r in load.results if r[2] != 200]
