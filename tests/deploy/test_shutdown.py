@@ -14,7 +14,9 @@ import httpx
 import pytest
 
 N_REQUESTS = 8
-SLOW = {"prompt": "A computer", "max_new_tokens": 16, "top_k": 5, "mode": "exact"}
+# as slow as the tiny model allows (its context is 32 tokens), so that the queue of requests stays
+# in flight long after the last one arrives
+SLOW = {"prompt": "A computer", "max_new_tokens": 28, "top_k": 5, "mode": "exact"}
 
 
 def in_flight(url: str) -> float:
@@ -45,7 +47,7 @@ def test_sigterm_lets_in_flight_requests_finish(index_a, server_factory, tmp_pat
     deadline = time.monotonic() + 30
     while in_flight(server.url) < N_REQUESTS:  # the /metrics request itself is answered on the event loop
         assert time.monotonic() < deadline, "the requests never were all in flight"
-        time.sleep(0.01)
+        time.sleep(0.002)
     server.signal(signal.SIGTERM)
     for t in threads:
         t.join(120)
