@@ -34,10 +34,17 @@ def test_sigterm_lets_in_flight_requests_finish(index_a, server_factory, tmp_pat
     assert r.status_code == 202, r.text
 
     results: list[object] = [None] * N_REQUESTS
+    # clients made (and connected) beforehand and a barrier: the requests leave together, so with one
+    # computation at a time they queue up behind each other however fast each one is
+    clients = [httpx.Client(base_url=server.url, timeout=120) for _ in range(N_REQUESTS)]
+    for c in clients:
+        assert c.get("/healthz").status_code == 200
+    barrier = threading.Barrier(N_REQUESTS)
 
     def call(i: int) -> None:
         try:
-            results[i] = httpx.post(server.url + "/v1/attribute", json=SLOW, timeout=120).status_code
+            barrier.wait()
+            results[i] = clients[i].post("/v1/attribute", json=SLOW).status_code
         except Exception as e:  # noqa: BLE001 - recorded, asserted below
             results[i] = type(e).__name__
 
@@ -51,6 +58,8 @@ def test_sigterm_lets_in_flight_requests_finish(index_a, server_factory, tmp_pat
     server.signal(signal.SIGTERM)
     for t in threads:
         t.join(120)
+    for c in clients:
+        c.close()
     assert results == [200] * N_REQUESTS, results
     # uvicorn re-raises the signal once shut down, so a clean exit reports SIGTERM (143 in a container)
     assert server.proc.wait(60) in (0, -signal.SIGTERM), server.log()
