@@ -56,8 +56,12 @@ class Query:
 class Attributor:
     """Opens an index (and the checkpoint it was built from) and answers attribution queries."""
 
-    def __init__(self, index_dir: str | Path, *, checkpoint: str | Path | None = None) -> None:
+    def __init__(self, index_dir: str | Path, *, checkpoint: str | Path | None = None, proto_candidates: int = 8,
+                 token_candidates: int = 128, row_budget: int = 1 << 15) -> None:
+        """``proto_candidates``, ``token_candidates``, ``row_budget``: the fast path's token-level
+        first stage (see :meth:`candidate_rows`); 0 turns it off."""
         self.dir = Path(index_dir)
+        self.proto_candidates, self.token_candidates, self.row_budget = proto_candidates, token_candidates, row_budget
         m = store.read_manifest(self.dir)
         if m is None or not m.get("complete"):
             raise PrismError(f"{self.dir}: not a complete index (manifest.json missing or incomplete)")
@@ -249,11 +253,34 @@ class Attributor:
                               or [np.zeros(0, np.int64)])
 
     def candidate_rows(self, q: Query, n_candidates: int) -> tuple[np.ndarray, np.ndarray]:
-        """FAISS candidates (sequence ids) and their activation rows."""
+        """Candidate sequences of the fast path and their activation rows.
+
+        Two first stages, united: FAISS's ``n_candidates`` nearest sequences by the sketch embedding
+        (a whole window's gradient), and the sequences of the ``token_candidates`` best single tokens
+        found in the posting lists of the query's heaviest prototypes (by their part of ``I(q, q)``,
+        at most ``proto_candidates`` of them and ``row_budget`` rows). The second stage finds documents
+        whose one token matches strongly while the rest of the window does not, which the window-level
+        sketch ranks poorly."""
         e = self.sketch.embed_rows(torch.zeros(len(q.G), dtype=torch.long), torch.arange(len(q.G)),
                                    q.G * self.curv.inv_sqrt(), 1).numpy()
         _, ids = self.faiss.search(normalise(e), min(n_candidates, self.faiss.ntotal))
-        seqs = np.sort(ids[0][ids[0] >= 0])
+        seqs = ids[0][ids[0] >= 0]
+        if self.proto_candidates > 0 and self.token_candidates > 0:
+            weight = (q.G * q.G * self.inv).sum(1)  # each prototype's part of I(q, q)
+            heavy = torch.argsort(weight, descending=True)[: self.proto_candidates]
+            lists, n = [], 0
+            for p in heavy[weight[heavy] > 0].tolist():
+                rows_p = self.post_rows[self.post_start[p] : self.post_start[p + 1]]
+                if lists and n + len(rows_p) > self.row_budget:
+                    continue
+                lists.append(rows_p)
+                n += len(rows_p)
+            if lists:
+                tok, raw, _, _ = self._score_rows(q, np.concatenate(lists))
+                cos = self._token_cosines(q, raw, tok)
+                best = tok[np.argsort(-cos, kind="stable")[: self.token_candidates]]
+                seqs = np.concatenate([seqs, self.tok_seq[best]])
+        seqs = np.unique(seqs)
         rows = [np.arange(self.seq_row0[s], self.seq_row0[s + 1]) for s in seqs]
         return seqs, np.concatenate(rows or [np.zeros(0, np.int64)])
 

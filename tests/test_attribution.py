@@ -109,3 +109,21 @@ def test_document_scores_cover_every_document_and_agree_with_the_ranking(att):
     res = att.attribute("A computer", " is a", mode="exact", top_k=5)
     top = np.argsort(-s["cosine_max"], kind="stable")[:5]
     assert [d["score"] for d in res["documents"]] == pytest.approx(s["cosine_max"][top].tolist())
+
+
+def test_token_stage_adds_the_best_tokens_sequences_to_the_faiss_candidates(index):
+    with_stage = Attributor.open(index, proto_candidates=1, token_candidates=16)
+    faiss_only = Attributor.open(index, proto_candidates=0)
+    q = with_stage.encode_query("A computer", " is a machine")
+    seqs, rows = with_stage.candidate_rows(q, 8)
+    base, _ = faiss_only.candidate_rows(q, 8)
+    assert set(base) <= set(seqs) and len(seqs) > len(base)
+    # the best token of the heaviest prototype's posting list sits in a candidate sequence
+    weight = (q.G * q.G * with_stage.inv).sum(1)
+    p = int(weight.argmax())
+    post = with_stage.post_rows[with_stage.post_start[p] : with_stage.post_start[p + 1]]
+    tok, raw, _, _ = with_stage._score_rows(q, post)
+    best = tok[np.argmax(with_stage._token_cosines(q, raw, tok))]
+    assert with_stage.tok_seq[best] in set(seqs)
+    assert np.array_equal(rows, np.concatenate([np.arange(with_stage.seq_row0[s], with_stage.seq_row0[s + 1])
+                                                 for s in seqs]))
