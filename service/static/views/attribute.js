@@ -28,7 +28,7 @@ export async function render(root, { params }) {
   const completion = h("textarea", { id: "attr-completion", rows: 2, placeholder: "Text the model produced after the prompt" });
   const nNew = h("input", { id: "attr-new", type: "number", min: 1, max: 4096, value: 8 });
   const topK = h("input", { id: "attr-topk", type: "number", min: 1, max: 100, value: 5 });
-  const mode = h("select", { id: "attr-mode" }, h("option", { value: "fast" }, "fast (FAISS candidates, exact re-rank)"),
+  const mode = h("select", { id: "attr-mode" }, h("option", { value: "fast" }, "fast (candidates, exact re-rank)"),
     h("option", { value: "exact" }, "exact (every training token sharing a prototype)"));
   const opponents = h("input", { id: "attr-opp", type: "checkbox" });
   const choice = (value, label, checked) => h("label", { class: "radio" },
