@@ -28,9 +28,9 @@ class AttributeRequest(Strict):
                                                                         "and attribute them (no `completion`).")
     target_index: int | None = Field(None, ge=0, le=100_000, description="Attribute only this target token.")
     top_k: int = Field(10, ge=1, le=1000, description="Documents to return (at most the server's max_top_k).")
-    mode: Literal["fast", "exact"] = Field("fast", description="fast: FAISS candidates + exact re-rank; exact: "
-                                                               "every training token sharing a prototype.")
-    n_candidates: int = Field(256, ge=1, le=16_384, description="Candidate sequences of the fast path.")
+    mode: Literal["fast", "exact"] = Field("fast", description="fast: FAISS and posting-list candidates + exact "
+                                                               "re-rank; exact: every training token sharing a prototype.")
+    n_candidates: int = Field(256, ge=1, le=16_384, description="Candidate sequences the fast path asks FAISS for.")
     opponents: bool = Field(False, description="Return the documents that most oppose the output.")
 
     @model_validator(mode="after")
