@@ -103,11 +103,10 @@ class Attributor:
                 k += n
         tok_key = tok_seq * 65536 + tok_pos
         seqs = pq.read_table(sorted((self.dir / "sequences").glob("part-*.parquet")),
-                             columns=["seq_id", "doc_id", "start_token", "n_tokens", "token_ids", "target_ids"])
+                             columns=["seq_id", "doc_id", "start_token", "n_tokens", "target_ids"])
         self.seq_doc = seqs["doc_id"].to_numpy()
         self.seq_start = seqs["start_token"].to_numpy()
-        # flat per token row: the input token and the token it predicts (what the row's gradient learns)
-        self.tok_input = seqs["token_ids"].combine_chunks().flatten().to_numpy()
+        # flat per token row: the token it predicts (what the row's gradient learns)
         self.tok_target = seqs["target_ids"].combine_chunks().flatten().to_numpy()
         docs = pq.read_table(sorted((self.dir / "documents").glob("part-*.parquet")), columns=["doc_id", "external_id"])
         self.doc_external = np.empty(int(pc_max(docs["doc_id"])) + 1, dtype=object)

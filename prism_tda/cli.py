@@ -301,34 +301,29 @@ def cmd_sql(args: argparse.Namespace) -> int:
     return 0
 
 
-def cmd_openapi(args: argparse.Namespace) -> int:
-    from .service.openapi import DEFAULT_PATH, render
-
-    text = render()
-    path = Path(args.out) if args.out else DEFAULT_PATH
-    if args.check:
+def _write_generated(text: str, path: Path, check: bool, command: str) -> int:
+    """Write a file generated from the code, or with ``check`` only say whether it is up to date."""
+    if check:
         if not path.is_file() or path.read_text() != text:
-            print(f"{path} is out of date; run `prism openapi` to regenerate it", file=sys.stderr)
+            print(f"{path} is out of date; run `{command}` to regenerate it", file=sys.stderr)
             return 1
         return 0
     path.write_text(text)
     print(path)
     return 0
+
+
+def cmd_openapi(args: argparse.Namespace) -> int:
+    from .service.openapi import DEFAULT_PATH, render
+
+    return _write_generated(render(), Path(args.out) if args.out else DEFAULT_PATH, args.check, "prism openapi")
 
 
 def cmd_settings_doc(args: argparse.Namespace) -> int:
     from .service.settings_doc import DEFAULT_PATH, render
 
-    text = render()
-    path = Path(args.out) if args.out else DEFAULT_PATH
-    if args.check:
-        if not path.is_file() or path.read_text() != text:
-            print(f"{path} is out of date; run `prism settings-doc` to regenerate it", file=sys.stderr)
-            return 1
-        return 0
-    path.write_text(text)
-    print(path)
-    return 0
+    return _write_generated(render(), Path(args.out) if args.out else DEFAULT_PATH, args.check,
+                            "prism settings-doc")
 
 
 # ---------------------------------------------------------------------------- parser

@@ -199,6 +199,23 @@ def trak_scores(model, train: TokenDataset, queries: TokenDataset, work: Path, *
             "proj_dim": proj_dim, "n_params": n_params}
 
 
+def score_index(method: str, index_dir: Path, queries: list[tuple[list[int], list[int]]], work: Path) -> dict:
+    """EK-FAC or TRAK scores of the queries ((prompt ids, completion ids)) against every indexed
+    sequence, with the index's own model; adds ``seq_doc`` (each sequence's document) and ``model``."""
+    import pyarrow.parquet as pq
+
+    from prism_tda.indexer import store
+    from prism_tda.model import checkpoint as ckpt
+
+    model, _, _ = ckpt.load_checkpoint(store.read_manifest(index_dir)["checkpoint"])
+    seqs = pq.read_table(index_dir / "sequences", columns=["doc_id", "token_ids", "target_ids"]).to_pydict()
+    block = model.cfg.block_size
+    train = TokenDataset.from_sequences(seqs["token_ids"], seqs["target_ids"], block)
+    fn = ekfac_scores if method == "ekfac" else trak_scores
+    r = fn(model, train, TokenDataset.from_queries(queries, block), work)
+    return r | {"seq_doc": np.asarray(seqs["doc_id"]), "model": model}
+
+
 # --------------------------------------------------------------------------- BM25
 def bm25_scores(doc_texts: list[str], query_texts: list[str]) -> dict:
     from rank_bm25 import BM25Okapi

@@ -117,13 +117,9 @@ def _run_method(method: str, work: Path, index_dir: Path, queries: list[dict], c
     import baselines
 
     from prism_tda.attribution import Attributor
-    from prism_tda.indexer import store
-    from prism_tda.model import checkpoint as ckpt
 
     docs = pq.read_table(index_dir / "documents", columns=["doc_id", "text"]).to_pydict()
     n_docs = len(docs["doc_id"])
-    seqs = pq.read_table(index_dir / "sequences", columns=["doc_id", "token_ids", "target_ids"]).to_pydict()
-    seq_doc = np.asarray(seqs["doc_id"])
     out: dict = {"method": method}
     t0 = time.perf_counter()
     if method == "prism_served":  # the served path alone: open the index, answer fast queries
@@ -171,19 +167,15 @@ def _run_method(method: str, work: Path, index_dir: Path, queries: list[dict], c
                 "seconds_per_query_exact": float(np.median(times["exact"])),
                 "top10_fast": top["fast"], "top10_exact": top["exact"], "candidate_recall": cand_recall}
     elif method in ("ekfac", "trak"):
-        model, _, _ = ckpt.load_checkpoint(store.read_manifest(index_dir)["checkpoint"])
-        block = model.cfg.block_size
-        train_ds = baselines.TokenDataset.from_sequences(seqs["token_ids"], seqs["target_ids"], block)
-        query_ds = baselines.TokenDataset.from_queries([(q["prompt_ids"], q["completion_ids"]) for q in queries], block)
-        fn = baselines.ekfac_scores if method == "ekfac" else baselines.trak_scores
-        r = fn(model, train_ds, query_ds, work / f"{method}_store")
+        r = baselines.score_index(method, index_dir, [(q["prompt_ids"], q["completion_ids"]) for q in queries],
+                                  work / f"{method}_store")
         per_doc = np.zeros((len(queries), n_docs), dtype=np.float64)
-        for s, d in enumerate(seq_doc):  # a document's score = sum over its sequences
+        for s, d in enumerate(r["seq_doc"]):  # a document's score = sum over its sequences
             per_doc[:, d] += r["scores"][:, s]
         np.save(work / f"scores_{method}.npy", per_doc.astype(np.float32))
         out |= {"setup_seconds": r["fit_seconds"], "score_seconds": r["score_seconds"],
-                "seconds_per_query": r["score_seconds"] / len(queries), "n_train_sequences": len(train_ds),
-                "n_params": sum(p.numel() for p in model.parameters())}
+                "seconds_per_query": r["score_seconds"] / len(queries), "n_train_sequences": len(r["seq_doc"]),
+                "n_params": sum(p.numel() for p in r["model"].parameters())}
         out |= {k: r[k] for k in ("proj_dim",) if k in r}
     elif method == "bm25":
         r = baselines.bm25_scores(docs["text"], [q["prompt"] + q["completion"] for q in queries])

@@ -44,6 +44,7 @@ def _time_method(method: str, index_dir: str, out_json: str, queries: list[tuple
     from prism_tda.attribution import Attributor
     from prism_tda.indexer import store
     from prism_tda.model import checkpoint as ckpt
+    from prism_tda.model.tokenizer import load_tokenizer
 
     index = Path(index_dir)
     work = Path(out_json).parent / f"{method}_store"
@@ -57,12 +58,9 @@ def _time_method(method: str, index_dir: str, out_json: str, queries: list[tuple
         ts = [att.attribute(p, c, mode=mode)["timings_ms"]["total"] / 1e3 for p, c in queries]
         out["seconds_per_query"] = float(np.median(ts))
     elif method in ("ekfac", "trak"):
-        model, tok, _ = ckpt.load_checkpoint(store.read_manifest(index)["checkpoint"])
-        seqs = pq.read_table(index / "sequences", columns=["token_ids", "target_ids"]).to_pydict()
-        block = model.cfg.block_size
-        train = baselines.TokenDataset.from_sequences(seqs["token_ids"], seqs["target_ids"], block)
-        qs = baselines.TokenDataset.from_queries([(tok.encode(p).ids, tok.encode(c).ids) for p, c in queries], block)
-        r = (baselines.ekfac_scores if method == "ekfac" else baselines.trak_scores)(model, train, qs, work)
+        ck = ckpt.resolve(store.read_manifest(index)["checkpoint"])
+        tok = load_tokenizer(ck / ckpt.TOKENIZER)
+        r = baselines.score_index(method, index, [(tok.encode(p).ids, tok.encode(c).ids) for p, c in queries], work)
         out |= {"setup_seconds": r["fit_seconds"], "seconds_per_query": r["score_seconds"] / len(queries)}
     elif method == "bm25":
         docs = pq.read_table(index / "documents", columns=["text"])["text"].to_pylist()

@@ -6,6 +6,7 @@ import socket
 import threading
 import time
 from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -29,7 +30,9 @@ class Live:
     server: uvicorn.Server
 
 
-def start(settings: Settings) -> tuple[uvicorn.Server, threading.Thread]:
+@contextmanager
+def serving(settings: Settings) -> Iterator[Live]:
+    """The app under a real uvicorn server in a thread, for the duration of the block."""
     config = uvicorn.Config(create_app(settings), host="127.0.0.1", port=settings.port, log_config=None,
                             access_log=False, lifespan="on")
     server = uvicorn.Server(config)
@@ -40,7 +43,11 @@ def start(settings: Settings) -> tuple[uvicorn.Server, threading.Thread]:
         if not thread.is_alive() or time.monotonic() > deadline:
             raise RuntimeError("the test server did not start")
         time.sleep(0.05)
-    return server, thread
+    try:
+        yield Live(f"http://127.0.0.1:{settings.port}", settings, server)
+    finally:
+        server.should_exit = True
+        thread.join(30)
 
 
 def service_settings(index: Path, state_dir: Path, **kw) -> Settings:
@@ -53,11 +60,8 @@ def service_settings(index: Path, state_dir: Path, **kw) -> Settings:
 
 @pytest.fixture(scope="session")
 def live(index, tmp_path_factory) -> Iterator[Live]:
-    settings = service_settings(index, tmp_path_factory.mktemp("state"))
-    server, thread = start(settings)
-    yield Live(f"http://127.0.0.1:{settings.port}", settings, server)
-    server.should_exit = True
-    thread.join(30)
+    with serving(service_settings(index, tmp_path_factory.mktemp("state"))) as live:
+        yield live
 
 
 @pytest.fixture

@@ -8,7 +8,7 @@ import pytest
 from prism_tda.errors import ConfigError
 from prism_tda.service import Settings
 
-from .conftest import assert_problem, service_settings, start
+from .conftest import assert_problem, service_settings, serving
 
 
 @pytest.fixture(scope="module")
@@ -16,11 +16,8 @@ def guarded(index, tmp_path_factory):
     settings = service_settings(index, tmp_path_factory.mktemp("state-guarded"), api_keys=["k-one", "k-two"],
                                 rate_limit_per_minute=60, rate_limit_burst=3, max_body_bytes=2048,
                                 cors_origins=["https://app.example"])
-    server, thread = start(settings)
-    with httpx.Client(base_url=f"http://127.0.0.1:{settings.port}", timeout=60) as c:
+    with serving(settings) as live, httpx.Client(base_url=live.url, timeout=60) as c:
         yield c
-    server.should_exit = True
-    thread.join(30)
 
 
 def test_api_keys_and_rate_limit(guarded):

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.service.conftest import Live, service_settings, start
+from tests.service.conftest import Live, service_settings, serving
 
 CHROMIUM = Path("/usr/bin/chromium")
 
@@ -30,11 +30,8 @@ def browser() -> Iterator[object]:
 
 @pytest.fixture(scope="session")
 def web_live(index, tmp_path_factory) -> Iterator[Live]:
-    settings = service_settings(index, tmp_path_factory.mktemp("web-state"))
-    server, thread = start(settings)
-    yield Live(f"http://127.0.0.1:{settings.port}", settings, server)
-    server.should_exit = True
-    thread.join(30)
+    with serving(service_settings(index, tmp_path_factory.mktemp("web-state"))) as live:
+        yield live
 
 
 @pytest.fixture

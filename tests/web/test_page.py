@@ -8,7 +8,7 @@ import re
 import httpx
 import pytest
 
-from tests.service.conftest import service_settings, start
+from tests.service.conftest import service_settings, serving
 
 PROMPT = "The man said that"
 
@@ -173,10 +173,8 @@ def test_narrow_width_has_no_sideways_scroll(page, web_live):
 @pytest.fixture(scope="module")
 def keyed(index, tmp_path_factory):
     settings = service_settings(index, tmp_path_factory.mktemp("web-keyed"), api_keys=["s3cret-key"])
-    server, thread = start(settings)
-    yield f"http://127.0.0.1:{settings.port}"
-    server.should_exit = True
-    thread.join(30)
+    with serving(settings) as live:
+        yield live.url
 
 
 def test_api_key_field(browser, keyed):
