@@ -31,7 +31,7 @@ class _Worker:
         from safetensors.torch import load_file
 
         from prism_tda.model import checkpoint as ckpt
-        from prism_tda.model.train import autocast_for, pick_device
+        from prism_tda.model.device import autocast_for, pick_device
 
         from . import store
         from .config import IndexConfig

@@ -22,8 +22,8 @@ from tqdm.auto import tqdm
 from prism_tda.corpus import fingerprint
 from prism_tda.errors import PrismError
 from prism_tda.model import checkpoint as ckpt
+from prism_tda.model.device import autocast_for, pick_device
 from prism_tda.model.metrics import usage_stats
-from prism_tda.model.train import autocast_for, pick_device
 
 from . import store
 from .config import IDENTITY_FIELDS, IndexConfig

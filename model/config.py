@@ -108,7 +108,7 @@ class TrainConfig(_Config):
     ckpt_every: int = 500
     keep_checkpoints: int = 2
     val_fraction: float = 0.05
-    dtype: Literal["auto", "fp32", "bf16"] = "auto"  # auto: bf16 autocast on CUDA, fp32 on CPU
+    dtype: Literal["auto", "fp32", "bf16"] = "auto"  # auto: bf16 autocast on CUDA and on CPUs with native bf16
     compile: bool = False
     # Prototype usage: every `reseed_every` steps, prototypes whose running share of the
     # activation mass is below `reseed_min_share / K` are moved onto poorly reconstructed token

@@ -30,6 +30,7 @@ from prism_tda.errors import ConfigError
 from . import checkpoint as ckpt
 from .config import ModelConfig, TrainConfig
 from .data import get_batch, load_or_build, split_documents
+from .device import autocast_for, pick_device
 from .metrics import evaluate, usage_stats
 from .model import PRISM
 from .tokenizer import load_tokenizer, train_tokenizer
@@ -42,19 +43,6 @@ def lr_at(step: int, cfg: TrainConfig) -> float:
         return cfg.lr * (step + 1) / cfg.warmup_steps
     frac = (step - cfg.warmup_steps) / max(1, cfg.max_steps - cfg.warmup_steps)
     return cfg.min_lr + 0.5 * (1 + math.cos(math.pi * min(frac, 1.0))) * (cfg.lr - cfg.min_lr)
-
-
-def pick_device() -> torch.device:
-    if torch.cuda.is_available():
-        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
-    return torch.device("cpu")
-
-
-def autocast_for(device: torch.device, dtype: str) -> contextlib.AbstractContextManager:
-    use_bf16 = dtype == "bf16" or (dtype == "auto" and device.type == "cuda")
-    if use_bf16:
-        return torch.autocast(device_type=device.type, dtype=torch.bfloat16)
-    return contextlib.nullcontext()
 
 
 class Trainer:
@@ -94,7 +82,7 @@ class Trainer:
             torch.cuda.set_device(self.device)
         self.is_main = self.rank == 0
         self.out.mkdir(parents=True, exist_ok=True)
-        self.autocast = autocast_for(self.device, self.cfg.dtype)
+        self.autocast = autocast_for(self.device, self.cfg.dtype, cpu_bf16_when_native=True)
 
         resume_from = None
         if self.resume and (self.out / "latest").is_file():

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import sys
 import time
 from pathlib import Path
@@ -220,7 +221,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
         return rc
     print(f"\nServing the demo index on http://127.0.0.1:{args.port} (docs at /docs; Ctrl-C stops)", flush=True)
     return cmd_serve(argparse.Namespace(index=[f"demo={out / 'index'}"], default_index=None, host="127.0.0.1",
-                                        port=args.port, workers=1, state_dir=str(out / "service-state"),
+                                        port=args.port, workers=1, state_dir=None,
                                         log_level=args.log_level, log_format=args.log_format))
 
 
@@ -242,16 +243,30 @@ def _index_args(items: list[str]) -> dict[str, str]:
     return out
 
 
-def cmd_serve(args: argparse.Namespace) -> int:
-    import os
+def _check_index_dir(name: str, path: Path) -> None:
+    """A clear one-line error for an index directory that cannot be served."""
+    from .indexer import store
 
+    hint = f"build it with `prism index --checkpoint RUN --out {path}` (or `prism demo` for runs/demo/index)"
+    if not path.is_dir():
+        raise PrismError(f"--index {name}: {path} does not exist; {hint}")
+    m = store.read_manifest(path)
+    if m is None or not m.get("complete"):
+        raise PrismError(f"--index {name}: {path} is not a complete index (manifest.json missing or incomplete); "
+                         f"{hint}, or run the same `prism index` command again to finish it")
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
     import uvicorn
     from pydantic import ValidationError
 
     from .errors import ConfigError
     from .service.settings import Settings
 
-    env = {"PRISM_INDEXES": json.dumps(_index_args(args.index)), "PRISM_HOST": args.host,
+    indexes = _index_args(args.index)
+    for name, path in indexes.items():
+        _check_index_dir(name, Path(path))
+    env = {"PRISM_INDEXES": json.dumps(indexes), "PRISM_HOST": args.host,
            "PRISM_PORT": str(args.port), "PRISM_WORKERS": str(args.workers),
            "PRISM_LOG_LEVEL": args.log_level, "PRISM_LOG_FORMAT": args.log_format}
     if args.default_index:
@@ -271,17 +286,29 @@ def cmd_serve(args: argparse.Namespace) -> int:
     return 0
 
 
+def default_state_dir() -> Path:
+    """The one default of the service state (audits, prototype sets) for demo, serve and sql."""
+    return Path(os.environ.get("PRISM_STATE_DIR") or "prism-state")
+
+
 def cmd_sql(args: argparse.Namespace) -> int:
-    from .service.state import StateDB
-    from .service.store import Store
+    from .service.settings import parse_bytes
+    from .service.sqlengine import SqlRefusal
+    from .service.sqlpool import SqlLimits, SqlPool
 
     (name, index_dir), = _index_args([args.index]).items()
-    store = Store(Path(index_dir), timeout_s=args.timeout, max_rows=args.max_rows, memory_limit=args.memory_limit)
-    state = StateDB(Path(args.state_dir)) if args.state_dir and Path(args.state_dir).is_dir() else None
+    _check_index_dir(name, Path(index_dir))
+    state = Path(args.state_dir or default_state_dir()) / "state.sqlite3"
+    limits = SqlLimits(timeout_s=args.timeout, max_rows=args.max_rows, max_result_bytes=args.max_result_bytes,
+                       memory_limit_bytes=parse_bytes(args.memory_limit), workers=1)
+    pool = SqlPool(Path(index_dir), limits, state if state.is_file() else None)
     try:
-        res = store.query(args.sql, (lambda: state.audit_results(index_name=name)) if state else None)
+        header, rows = pool.query(args.sql, {"index_name": name, "principal": None})
+    except SqlRefusal as e:
+        raise PrismError(f"{e.kind}: {e.detail}") from None
     finally:
-        store.close()
+        pool.close()
+    res = {"columns": header["columns"], "rows": json.loads(rows), "row_count": header["row_count"]}
     if args.json:
         print(json.dumps(res, indent=2))
         return 0
@@ -297,7 +324,7 @@ def cmd_sql(args: argparse.Namespace) -> int:
     print("  ".join("-" * w for w in widths))
     for r in cells:
         print("  ".join(v[:w].ljust(w) for v, w in zip(r, widths)))
-    print(f"({res['row_count']} rows, {res['elapsed_ms']:.0f} ms)", file=sys.stderr)
+    print(f"({res['row_count']} rows)", file=sys.stderr)
     return 0
 
 
@@ -330,7 +357,8 @@ def cmd_settings_doc(args: argparse.Namespace) -> int:
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="prism", description="PRISM-TDA: training-data attribution for PRISM models.")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
-    p.add_argument("--log-format", default="text", choices=["text", "json"], help="json: one object per line")
+    p.add_argument("--log-format", choices=["text", "json"],
+                   help="json: one object per line (default for `serve`); text: for terminals (default otherwise)")
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     t = sub.add_parser("train", help="train a PRISM model (or the dense baseline)",
@@ -412,7 +440,7 @@ def build_parser() -> argparse.ArgumentParser:
     sv.add_argument("--port", type=int, default=8000)
     sv.add_argument("--workers", type=int, default=1, help="server processes (each loads every index)")
     sv.add_argument("--state-dir", help="audit and prototype-set database directory (default: PRISM_STATE_DIR "
-                                        "or ./prism-state)")
+                                        "or ./prism-state, as for `prism sql` and `prism demo`)")
     sv.set_defaults(fn=cmd_serve)
 
     q = sub.add_parser("sql", help="read-only SQL over an index's tables (the service's locked engine)",
@@ -420,10 +448,12 @@ def build_parser() -> argparse.ArgumentParser:
                                    "prototypes, vocab (and audit_results with --state-dir).")
     q.add_argument("--index", required=True, metavar="[NAME=]DIR", help="index directory")
     q.add_argument("sql", help='one SELECT statement, e.g. "SELECT count(*) FROM activations"')
-    q.add_argument("--state-dir", default="prism-state", help="service state directory, for audit_results")
-    q.add_argument("--timeout", type=float, default=30.0, help="seconds before the query is interrupted")
+    q.add_argument("--state-dir", help="service state directory, for audit_results (default: PRISM_STATE_DIR "
+                                       "or ./prism-state, as for `prism serve` and `prism demo`)")
+    q.add_argument("--timeout", type=float, default=30.0, help="seconds before the query is stopped")
     q.add_argument("--max-rows", type=int, default=10_000)
-    q.add_argument("--memory-limit", default="1GB")
+    q.add_argument("--max-result-bytes", type=int, default=64 * 2**20, help="largest result, in bytes of JSON")
+    q.add_argument("--memory-limit", default="1GB", help="memory the statement may use (e.g. 512MB)")
     q.add_argument("--json", action="store_true")
     q.set_defaults(fn=cmd_sql)
 
@@ -441,6 +471,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if args.log_format is None:
+        args.log_format = "json" if args.command == "serve" else "text"
     setup_logging(args.log_level, args.log_format)
     try:
         return args.fn(args)

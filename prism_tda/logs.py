@@ -27,7 +27,10 @@ class JsonFormatter(logging.Formatter):
 class TextFormatter(logging.Formatter):
     def format(self, record: logging.LogRecord) -> str:
         extra = " ".join(f"{k}={v}" for k, v in vars(record).items() if k not in _RESERVED and not k.startswith("_"))
-        return f"{record.levelname.lower():7s} {record.name}: {record.getMessage()}" + (f"  {extra}" if extra else "")
+        line = f"{record.levelname.lower():7s} {record.name}: {record.getMessage()}" + (f"  {extra}" if extra else "")
+        if record.exc_info:
+            line += "\n" + self.formatException(record.exc_info)
+        return line
 
 
 def setup_logging(level: str = "info", fmt: str = "text") -> None:

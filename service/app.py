@@ -19,7 +19,7 @@ from prism_tda import __version__
 from prism_tda.logs import setup_logging
 
 from . import lifecycle, problems
-from .deps import Services, get_principal
+from .deps import Services, get_admin, get_principal
 from .indexes import Registry
 from .metrics import Metrics
 from .middleware import BodyLimit, RequestContext
@@ -84,6 +84,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
             services.registry.close()
 
     app = FastAPI(title="PRISM-TDA", version=__version__, description=DESCRIPTION, lifespan=lifespan,
+                  docs_url=None, redoc_url=None,  # /docs is served with local assets (routers/ui.py)
                   generate_unique_id_function=_operation_id)
     app.state.services = None
     problems.install(app)
@@ -91,10 +92,11 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     for r in (attribute.router, audits.router, sql.router, prototypes.router, prototypes.sets_router,
               documents.router, generate.router):
         app.include_router(r, prefix="/v1", dependencies=guarded)
-    app.include_router(admin.router, prefix="/v1", dependencies=[Depends(admin.get_admin)])
+    app.include_router(admin.router, prefix="/v1", dependencies=[Depends(get_admin)])
     app.include_router(health.router)
     app.include_router(ui.router)
     app.mount("/static", ui.static_files(), name="static")
+    app.mount(ui.DOCS_ASSETS_URL, ui.docs_assets(), name="docs-assets")
     app.add_middleware(BodyLimit, max_bytes=settings.max_body_bytes)
     if settings.cors_origins:
         app.add_middleware(CORSMiddleware, allow_origins=settings.cors_origins, allow_methods=["*"],

@@ -15,7 +15,7 @@ from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from . import problems
 from .indexes import LoadedIndex, Registry
 from .metrics import Metrics
-from .security import Guard
+from .security import Guard, Principal
 from .settings import Settings
 from .state import StateDB
 from .worker import AuditWorker
@@ -56,11 +56,21 @@ ServicesDep = Annotated[Services, Depends(get_services)]
 _bearer = HTTPBearer(auto_error=False, description="An API key from PRISM_API_KEYS (required off loopback).")
 
 
+def client_address(request: Request) -> str:
+    return request.client.host if request.client else "unknown"
+
+
 def get_principal(request: Request, services: ServicesDep,
-                  credentials: Annotated[HTTPAuthorizationCredentials | None, Depends(_bearer)]) -> str:
-    return services.guard(credentials, request.client.host if request.client else "unknown")
+                  credentials: Annotated[HTTPAuthorizationCredentials | None, Depends(_bearer)]) -> Principal:
+    return services.guard(credentials, client_address(request))
 
 
-PrincipalDep = Annotated[str, Depends(get_principal)]
+def get_admin(request: Request, services: ServicesDep,
+              credentials: Annotated[HTTPAuthorizationCredentials | None, Depends(_bearer)]) -> Principal:
+    """With ``PRISM_ADMIN_API_KEYS`` set, only those keys; otherwise the same rule as every endpoint."""
+    return services.guard.admin(credentials, client_address(request))
+
+
+PrincipalDep = Annotated[Principal, Depends(get_principal)]
 IndexQuery = Annotated[str | None, Query(max_length=200, description="Index to use (default: the server's "
                                                                     "default index).")]

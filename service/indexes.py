@@ -28,7 +28,8 @@ from prism_tda.indexer import store as index_store
 from prism_tda.model.tokenizer import eos_id
 
 from . import problems
-from .settings import Settings
+from .settings import Settings, parse_bytes
+from .sqlpool import SqlLimits, SqlPool
 from .store import Store
 
 log = logging.getLogger("prism.service")
@@ -40,6 +41,7 @@ class LoadedIndex:
     dir: Path
     attributor: Attributor
     store: Store
+    sql: SqlPool
     load_seconds: float
 
     @classmethod
@@ -47,9 +49,13 @@ class LoadedIndex:
         t0 = time.perf_counter()
         att = Attributor.open(index_dir)
         att.model.eval()
-        store = Store(index_dir, memory_limit=settings.sql_memory_limit, threads=settings.sql_threads,
-                      timeout_s=settings.sql_timeout_s, max_rows=settings.sql_max_rows)
-        ix = cls(name, Path(index_dir), att, store, time.perf_counter() - t0)
+        store = Store(index_dir)
+        try:
+            sql = SqlPool(index_dir, sql_limits(settings), settings.state_dir / "state.sqlite3")
+        except BaseException:
+            store.close()
+            raise
+        ix = cls(name, Path(index_dir), att, store, sql, time.perf_counter() - t0)
         log.info("index loaded", extra={"index": name, "dir": str(index_dir), "seconds": round(ix.load_seconds, 2),
                                         "documents": ix.n_documents, "prototypes": ix.n_prototypes})
         return ix
@@ -77,7 +83,9 @@ class LoadedIndex:
     def n_tokens(self, text: str) -> int:
         return len(self.attributor.tokenizer.encode(text).ids)
 
-    def check_prompt(self, prompt: str, completion: str | None = None) -> None:
+    def check_prompt(self, prompt: str, completion: str | None = None, max_new_tokens: int | None = None) -> None:
+        """Refuse, before any work, a query that cannot fit the model's context: the prompt and its
+        completion (or the most tokens generation may add) must take at most context + 1 tokens."""
         n = self.n_tokens(prompt)
         if n == 0:
             raise problems.InvalidQuery("prompt: is empty (no tokens)")
@@ -86,6 +94,10 @@ class LoadedIndex:
         if completion is not None and n + self.n_tokens(completion) > self.context + 1:
             raise problems.PromptTooLong(f"prompt + completion: {n + self.n_tokens(completion)} tokens; the "
                                          f"model's context is {self.context}")
+        if max_new_tokens is not None and n + max_new_tokens > self.context + 1:
+            raise problems.PromptTooLong(f"prompt + max_new_tokens: {n} + {max_new_tokens} tokens; the model's "
+                                         f"context is {self.context} (at most {self.context + 1 - n} new tokens "
+                                         "for this prompt)")
 
     def check_prototypes(self, ids: list[int], field: str) -> None:
         bad = [i for i in ids if not 0 <= i < self.n_prototypes]
@@ -97,7 +109,7 @@ class LoadedIndex:
     def attribute(self, prompt: str, completion: str | None, *, max_new_tokens: int | None,
                   target_index: int | None, top_k: int, mode: str, n_candidates: int,
                   opponents: bool) -> dict[str, Any]:
-        self.check_prompt(prompt, completion)
+        self.check_prompt(prompt, completion, max_new_tokens)
         res = self.attributor.attribute(prompt, completion, max_new_tokens=max_new_tokens,
                                         target_index=target_index, top_k=top_k, mode=mode,
                                         n_candidates=n_candidates, opponents=opponents)
@@ -150,7 +162,19 @@ class LoadedIndex:
                 "top_tokens": list(row["top_tokens"] or []), "signature": signature, "top_contexts": contexts}
 
     def close(self) -> None:
-        self.store.close()
+        _close(self.sql, self.store)
+
+
+def _close(sql: SqlPool, store: Store) -> None:
+    sql.close()
+    store.close()
+
+
+def sql_limits(settings: Settings) -> SqlLimits:
+    return SqlLimits(timeout_s=settings.sql_timeout_s, max_rows=settings.sql_max_rows,
+                     max_result_bytes=settings.sql_max_result_bytes,
+                     memory_limit_bytes=parse_bytes(settings.sql_memory_limit), workers=settings.sql_workers,
+                     threads=settings.sql_threads, queue_timeout_s=settings.sql_queue_timeout_s)
 
 
 class IndexMismatch(problems.ServiceError):
@@ -229,7 +253,8 @@ class Registry:
                 raise InvalidIndex(f"dir: {target} cannot be loaded: {e}") from None
             self.indexes = {**self.indexes, name: new}
             # The old version's store closes once no in-flight request holds the old object.
-            weakref.finalize(old, old.store.close)
+            # (the callback must not hold ``old`` itself, or it would never be collected)
+            weakref.finalize(old, _close, old.sql, old.store)
         log.info("index swapped", extra={"index": name, "old_dir": str(old.dir), "new_dir": str(new.dir),
                                          "documents": new.n_documents, "seconds": round(new.load_seconds, 2)})
         return old, new

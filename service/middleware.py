@@ -31,19 +31,27 @@ class RequestContext:
         rid = given if _ID_OK.match(given) else uuid.uuid4().hex
         token = request_id.set(rid)
         status = 500
+        started = False
         t0 = time.perf_counter()
 
         async def send_with_id(message: Message) -> None:
-            nonlocal status
+            nonlocal status, started
             if message["type"] == "http.response.start":
-                status = message["status"]
+                status, started = message["status"], True
                 message.setdefault("headers", [])
                 message["headers"] = [*message["headers"], (b"x-request-id", rid.encode())]
             await send(message)
 
         self.metrics.in_flight.inc()
         try:
-            await self.app(scope, receive, send_with_id)
+            try:
+                await self.app(scope, receive, send_with_id)
+            except Exception as exc:
+                # answered here, inside the request's context, so the log line and the problem
+                # document carry its request id (the framework's last-resort handler runs outside it)
+                if started:
+                    raise
+                await problems.internal_error(exc, None, scope["path"])(scope, receive, send_with_id)
         finally:
             dt = time.perf_counter() - t0
             self.metrics.in_flight.dec()

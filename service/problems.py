@@ -84,16 +84,22 @@ SqlError = _kind("SqlError", "sql-error", 400, "The SQL query failed")
 SqlTimeout = _kind("SqlTimeout", "sql-timeout", 422, "The SQL query ran out of time and was interrupted")
 SqlTooManyRows = _kind("SqlTooManyRows", "sql-too-many-rows", 422, "The SQL query returns too many rows")
 SqlOutOfMemory = _kind("SqlOutOfMemory", "sql-out-of-memory", 422, "The SQL query ran out of memory")
+SqlResultTooLarge = _kind("SqlResultTooLarge", "sql-result-too-large", 422, "The SQL result is too large")
+SqlBusy = _kind("SqlBusy", "sql-busy", 503, "Every SQL worker is busy")
 NotReady = _kind("NotReady", "not-ready", 503, "The service is not ready")
 
 ALL_KINDS: list[type[ServiceError]] = [v for v in list(globals().values())
                                        if isinstance(v, type) and issubclass(v, ServiceError) and v is not ServiceError]
 
 
+BY_KIND: dict[str, type[ServiceError]] = {k.kind: k for k in ALL_KINDS}
+
+
 def problem_response(status: int, kind: str, title: str, detail: str, request: Request | None, *,
-                     headers: dict[str, str] | None = None, errors: list[dict[str, Any]] | None = None) -> JSONResponse:
+                     headers: dict[str, str] | None = None, errors: list[dict[str, Any]] | None = None,
+                     path: str | None = None) -> JSONResponse:
     body = Problem(type=TYPE_PREFIX + kind, title=title, status=status, detail=detail,
-                   instance=request.url.path if request is not None else None, request_id=request_id.get(),
+                   instance=request.url.path if request is not None else path, request_id=request_id.get(),
                    errors=errors)
     return JSONResponse(body.model_dump(exclude_none=True), status_code=status, media_type=MEDIA_TYPE,
                         headers=headers)
@@ -131,14 +137,23 @@ async def _on_error(request: Request, exc: Exception) -> JSONResponse:
     if isinstance(exc, StarletteHTTPException):
         if exc.status_code == 404:
             return error_response(RouteNotFound(f"no endpoint at {request.url.path}"), request)
+        if exc.status_code == 400:  # the framework could not read the body (not UTF-8, nested too deep)
+            return error_response(MalformedRequest(f"the body cannot be read as JSON: {exc.detail}"), request)
         if exc.status_code == 405:
             return error_response(MethodNotAllowed(f"{request.method} is not allowed on {request.url.path}",
                                                    headers=dict(exc.headers or {})), request)
         return problem_response(exc.status_code, "http-error", "HTTP error", str(exc.detail), request,
                                 headers=dict(exc.headers or {}))
-    log.error("unhandled error", exc_info=exc, extra={"request_id": request_id.get(), "path": request.url.path})
+    return internal_error(exc, request)
+
+
+def internal_error(exc: BaseException, request: Request | None, path: str | None = None) -> JSONResponse:
+    """Log an unexpected error with its traceback and the request id; answer a bare 500."""
+    path = request.url.path if request is not None else path
+    log.error("unhandled error", exc_info=exc, extra={"request_id": request_id.get(), "path": path})
     return problem_response(500, "internal-error", "Internal server error",
-                            "the server failed to answer this request; the log has the details", request)
+                            "the server failed to answer this request; the log has the details", request,
+                            path=path)
 
 
 def install(app: FastAPI) -> None:

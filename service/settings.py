@@ -14,6 +14,25 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from prism_tda.errors import ConfigError
 
+_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+
+
+def parse_bytes(text: str | int) -> int:
+    """``"512MB"``, ``"1GiB"``, ``"2000000"`` -> bytes."""
+    if isinstance(text, int):
+        return text
+    s = text.strip().lower().replace(" ", "")
+    num = s.rstrip("abcdefghijklmnopqrstuvwxyz")
+    unit = s[len(num):]
+    try:
+        value = float(num)
+    except ValueError:
+        value = -1.0
+    if unit not in _UNITS or value <= 0:
+        raise ConfigError(f"{text!r} is not a size (e.g. 512MB, 1GiB)")
+    return int(value * _UNITS[unit])
+
 
 def is_loopback(host: str) -> bool:
     """True when ``host`` only accepts connections from this machine."""
@@ -46,9 +65,9 @@ class Settings(BaseSettings):
         description="Accepted bearer tokens (JSON list). Empty: no authentication, allowed only on loopback.")
     admin_api_keys: list[SecretStr] = Field(
         default_factory=list,
-        description="Bearer tokens for the admin endpoints (`/v1/admin`, e.g. index reload), JSON list. "
-                    "When set, only these keys are accepted there; empty: the admin endpoints accept `api_keys` "
-                    "like every other endpoint.")
+        description="Admin bearer tokens, JSON list: the only keys the admin endpoints (`/v1/admin`, e.g. index "
+                    "reload) accept when set (empty: they accept `api_keys` like every other endpoint); accepted "
+                    "on every other endpoint too, where they see every key's audits.")
     graceful_shutdown_s: float = Field(
         30.0, gt=0, description="On SIGTERM, how long requests in flight may take to finish before they are "
                                 "cancelled; the audit worker finishes its current item within the same time.")
@@ -57,6 +76,9 @@ class Settings(BaseSettings):
                                "Counted per server process.")
     rate_limit_burst: int = Field(60, ge=1, description="Requests a client may make at once before the rate "
                                                         "limit spaces them out.")
+    auth_failures_per_minute: int = Field(
+        10, ge=0, description="Failed authentications allowed per client address and minute (as many at once); "
+                              "past that the address gets 429 for every request until it may try again. 0 = off.")
     max_body_bytes: int = Field(1_000_000, ge=1024, description="Largest request body accepted, in bytes.")
     max_batch_items: int = Field(1000, ge=1, description="Most items in one audit, documents in one batch "
                                                          "fetch, or prototypes in one set.")
@@ -71,8 +93,17 @@ class Settings(BaseSettings):
                                                         "interrupted when it runs out.")
     sql_max_rows: int = Field(10_000, ge=1, description="Most rows a SQL query may return; larger results "
                                                         "are refused (add a LIMIT).")
-    sql_memory_limit: str = Field("1GB", description="DuckDB memory limit for SQL queries (e.g. `512MB`).")
-    sql_threads: int = Field(2, ge=1, description="DuckDB threads per index.")
+    sql_memory_limit: str = Field(
+        "1GB", description="Memory all SQL statements of one index may use together (e.g. `512MB`, `2GiB`): "
+                           "each of the `sql_workers` processes gets an equal share and is killed when it "
+                           "grows past it.")
+    sql_workers: int = Field(2, ge=1, le=64, description="SQL worker processes per index: statements that run at "
+                                                         "once (more wait for a free worker).")
+    sql_threads: int = Field(1, ge=1, description="DuckDB threads per SQL worker process.")
+    sql_max_result_bytes: int = Field(16 * 2**20, ge=1024, description="Largest SQL result, in bytes of JSON; a "
+                                                                      "larger one is refused (`sql-result-too-large`).")
+    sql_queue_timeout_s: float = Field(30.0, gt=0, description="How long a SQL statement may wait for a free worker "
+                                                              "before it is refused (`sql-busy`).")
     audit_poll_s: float = Field(1.0, gt=0, description="How often an idle audit worker looks for new work.")
     prototype_sets: dict[str, list[int]] = Field(
         default_factory=dict,
@@ -93,6 +124,15 @@ class Settings(BaseSettings):
     def _format(cls, v: str) -> str:
         if v not in ("json", "text"):
             raise ValueError("must be json or text")
+        return v
+
+    @field_validator("sql_memory_limit")
+    @classmethod
+    def _size(cls, v: str) -> str:
+        try:
+            parse_bytes(v)
+        except ConfigError as e:
+            raise ValueError(str(e)) from None
         return v
 
     @model_validator(mode="after")

@@ -185,31 +185,11 @@ class StateDB:
                         "WHERE id = ?", (now, job_id))
         return True
 
-    def audit_results(self, index_name: str | None = None, job_id: str | None = None) -> pa.Table:
-        """The ``audit_results`` table: one row per (job, item, rank), item fields repeated."""
-        where, args = [], []
-        if index_name is not None:
-            where.append("j.index_name = ?")
-            args.append(index_name)
-        if job_id is not None:
-            where.append("r.job_id = ?")
-            args.append(job_id)
-        sql = ("SELECT r.job_id, r.item_no, i.item_id, r.rank, r.doc_id, r.score, r.raw_influence, r.seq_id, "
-               "i.target_text, i.flagged_prototypes, i.used_prototypes FROM results r "
-               "JOIN items i ON i.job_id = r.job_id AND i.item_no = r.item_no JOIN jobs j ON j.id = r.job_id"
-               + (" WHERE " + " AND ".join(where) if where else "") + " ORDER BY r.job_id, r.item_no, r.rank")
+    def audit_results(self, index_name: str | None = None, job_id: str | None = None,
+                      principal: str | None = None) -> pa.Table:
+        """The ``audit_results`` table (see :func:`read_audit_results`)."""
         with self._connect() as con:
-            rows = con.execute(sql, args).fetchall()
-        cols: dict[str, list[Any]] = {f.name: [] for f in AUDIT_RESULTS_SCHEMA}
-        for r in rows:
-            flagged = json.loads(r["flagged_prototypes"] or "[]")
-            for k in ("job_id", "item_no", "item_id", "rank", "doc_id", "score", "raw_influence", "seq_id",
-                      "target_text"):
-                cols[k].append(r[k])
-            cols["flagged"].append(bool(flagged))
-            cols["flagged_prototypes"].append(flagged)
-            cols["used_prototypes"].append(json.loads(r["used_prototypes"] or "[]"))
-        return pa.table(cols, schema=AUDIT_RESULTS_SCHEMA)
+            return _audit_results(con, index_name, job_id, principal)
 
     # ------------------------------------------------------------------------ prototype sets
     def put_set(self, index_name: str, name: str, prototypes: list[int], description: str | None) -> dict[str, Any]:
@@ -237,6 +217,45 @@ class StateDB:
         with self._tx() as con:
             return con.execute("DELETE FROM prototype_sets WHERE index_name = ? AND name = ?",
                                (index_name, name)).rowcount == 1
+
+
+def read_audit_results(path: Path, *, index_name: str | None = None, job_id: str | None = None,
+                       principal: str | None = None) -> pa.Table:
+    """The ``audit_results`` table from a state database opened read-only (empty when it does not
+    exist yet): one row per (job, item, rank), item fields repeated; only the jobs of ``index_name``,
+    ``job_id`` and ``principal`` when given."""
+    if not Path(path).is_file():
+        return AUDIT_RESULTS_SCHEMA.empty_table()
+    con = sqlite3.connect(f"file:{Path(path).absolute()}?mode=ro", uri=True, timeout=30)
+    con.row_factory = sqlite3.Row
+    try:
+        return _audit_results(con, index_name, job_id, principal)
+    finally:
+        con.close()
+
+
+def _audit_results(con: sqlite3.Connection, index_name: str | None, job_id: str | None,
+                   principal: str | None) -> pa.Table:
+    where, args = [], []
+    for col, val in (("j.index_name", index_name), ("r.job_id", job_id), ("j.principal", principal)):
+        if val is not None:
+            where.append(f"{col} = ?")
+            args.append(val)
+    sql = ("SELECT r.job_id, r.item_no, i.item_id, r.rank, r.doc_id, r.score, r.raw_influence, r.seq_id, "
+           "i.target_text, i.flagged_prototypes, i.used_prototypes FROM results r "
+           "JOIN items i ON i.job_id = r.job_id AND i.item_no = r.item_no JOIN jobs j ON j.id = r.job_id"
+           + (" WHERE " + " AND ".join(where) if where else "") + " ORDER BY r.job_id, r.item_no, r.rank")
+    rows = con.execute(sql, args).fetchall()
+    cols: dict[str, list[Any]] = {f.name: [] for f in AUDIT_RESULTS_SCHEMA}
+    for r in rows:
+        flagged = json.loads(r["flagged_prototypes"] or "[]")
+        for k in ("job_id", "item_no", "item_id", "rank", "doc_id", "score", "raw_influence", "seq_id",
+                  "target_text"):
+            cols[k].append(r[k])
+        cols["flagged"].append(bool(flagged))
+        cols["flagged_prototypes"].append(flagged)
+        cols["used_prototypes"].append(json.loads(r["used_prototypes"] or "[]"))
+    return pa.table(cols, schema=AUDIT_RESULTS_SCHEMA)
 
 
 def _job(row: sqlite3.Row) -> dict[str, Any]:

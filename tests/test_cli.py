@@ -80,3 +80,35 @@ def test_demo_end_to_end_with_a_tiny_model(tmp_path, capsys):
     assert "Which training documents drove" in out and "  1. " in out
     assert main(args) == 0  # second run reuses the model and the index
     assert json.loads(capsys.readouterr().out.split("\n}\n")[0] + "\n}")["train_seconds"] < 5
+
+
+def test_serve_names_a_missing_index_in_one_line(tmp_path, capsys):
+    missing = tmp_path / "idx"
+    assert main(["serve", "--index", str(missing)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1, err
+    assert str(missing) in err and "does not exist" in err and "prism index" in err
+    half = tmp_path / "half"
+    half.mkdir()
+    assert main(["serve", "--index", f"h={half}"]) == 2
+    assert "not a complete index" in capsys.readouterr().err
+
+
+def test_demo_serve_and_sql_share_one_state_directory(index, tmp_path, monkeypatch, capsys):
+    from prism_tda.cli import _index_args, default_state_dir
+    from prism_tda.service import Settings
+    from prism_tda.service.state import StateDB
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("PRISM_STATE_DIR", raising=False)
+    assert Settings().state_dir.resolve() == default_state_dir().resolve()
+    # an audit stored by a server started from this directory with the defaults ...
+    (name, _), = _index_args([str(index)]).items()
+    state = StateDB(Settings().state_dir)
+    job, _ = state.create_job(name, {}, [{"prompt": "A", "completion": " b"}], principal="local",
+                              idempotency_key=None, req_hash="h")
+    state.next_item([name])
+    state.finish_item(job["id"], 0, result={"target_text": " b", "documents": [{"doc_id": 3, "score": 0.5}]})
+    # ... is what `prism sql` sees from the same directory, with no option
+    assert main(["sql", "--index", str(index), "--json", "SELECT job_id, doc_id FROM audit_results"]) == 0
+    assert json.loads(capsys.readouterr().out)["rows"] == [[job["id"], 3]]

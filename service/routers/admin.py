@@ -2,34 +2,18 @@
 
 from __future__ import annotations
 
-import hashlib
-import hmac
 import os
 from typing import Annotated
 
 import anyio
-from fastapi import APIRouter, Depends, Path, Request
-from fastapi.security import HTTPAuthorizationCredentials
+from fastapi import APIRouter, Path
 from pydantic import BaseModel, ConfigDict, Field
 
 from .. import problems as p
-from ..deps import ServicesDep, _bearer, get_principal
+from ..deps import ServicesDep
 from ..indexes import IndexMismatch, InvalidIndex, LoadedIndex
 
 router = APIRouter(prefix="/admin", tags=["admin"])
-
-
-def get_admin(request: Request, services: ServicesDep,
-              credentials: Annotated[HTTPAuthorizationCredentials | None, Depends(_bearer)]) -> str:
-    """With ``PRISM_ADMIN_API_KEYS`` set, only those keys; otherwise the same rule as every endpoint."""
-    keys = [k.get_secret_value().encode() for k in services.settings.admin_api_keys]
-    if not keys:
-        return get_principal(request, services, credentials)
-    given = credentials.credentials.encode() if credentials is not None else b""
-    if not given or not any(hmac.compare_digest(given, k) for k in keys):
-        raise p.Unauthorized("send `Authorization: Bearer <admin API key>` with a key from PRISM_ADMIN_API_KEYS",
-                             headers={"WWW-Authenticate": "Bearer"})
-    return "admin:" + hashlib.sha256(given).hexdigest()[:16]
 
 
 class ReloadRequest(BaseModel):

@@ -12,6 +12,7 @@ from fastapi import APIRouter, Header, Path, Query, Response
 from .. import problems as p
 from ..deps import PrincipalDep, Services, ServicesDep
 from ..schemas import AuditItemOut, AuditItems, AuditJob, AuditRequest
+from ..security import Principal
 from ..state import request_hash
 
 router = APIRouter(prefix="/audits", tags=["audits"])
@@ -33,9 +34,11 @@ def item_view(it: dict[str, Any]) -> AuditItemOut:
                         used_prototypes=it.get("used_prototypes") or [], documents=it.get("documents") or [])
 
 
-async def _job(services: Services, audit_id: str) -> dict[str, Any]:
+async def _job(services: Services, audit_id: str, principal: Principal) -> dict[str, Any]:
+    """The audit, if it exists and belongs to ``principal`` (admins see every audit); else 404, so
+    another key's audits cannot even be told apart from missing ones."""
     job = await services.io(services.state.job, audit_id)
-    if job is None:
+    if job is None or not (principal.admin or job["principal"] == principal.id):
         raise p.AuditNotFound(f"no audit {audit_id!r}")
     return job
 
@@ -66,6 +69,9 @@ async def create_audit(body: AuditRequest, services: ServicesDep, principal: Pri
             sets[name] = found["prototypes"]
         return sets[name]
 
+    if len(body.flag_prototypes or []) > s.max_batch_items:
+        raise p.TooManyItems(f"flag_prototypes: {len(body.flag_prototypes or [])} ids; the limit is "
+                             f"{s.max_batch_items}")
     ix.check_prototypes(body.flag_prototypes or [], "flag_prototypes")
     job_flag = sorted(set(body.flag_prototypes or []) | set(await resolve(body.flag, "flag") if body.flag else []))
     items = []
@@ -73,7 +79,7 @@ async def create_audit(body: AuditRequest, services: ServicesDep, principal: Pri
         if it.max_new_tokens is not None and it.max_new_tokens > s.max_new_tokens:
             raise p.InvalidRequest(f"items[{n}].max_new_tokens: over the server's limit of {s.max_new_tokens}")
         try:
-            ix.check_prompt(it.prompt, it.completion)
+            ix.check_prompt(it.prompt, it.completion, it.max_new_tokens)
         except p.ServiceError as e:
             raise type(e)(f"items[{n}].{e.detail}") from None
         flag = await resolve(it.flag, f"items[{n}].flag") if it.flag else job_flag
@@ -82,7 +88,7 @@ async def create_audit(body: AuditRequest, services: ServicesDep, principal: Pri
     params = {"top_k": body.top_k, "mode": body.mode, "n_candidates": body.n_candidates, "flag": body.flag,
               "flag_prototypes": job_flag}
     req_hash = request_hash(body.model_dump(mode="json") | {"index": ix.name})
-    job, created = await services.io(services.state.create_job, ix.name, params, items, principal=principal,
+    job, created = await services.io(services.state.create_job, ix.name, params, items, principal=principal.id,
                                      idempotency_key=idempotency_key, req_hash=req_hash)
     if not created and job["request_hash"] != req_hash:
         raise p.IdempotencyConflict(f"Idempotency-Key {idempotency_key!r} was used for audit {job['id']} with a "
@@ -96,31 +102,31 @@ async def create_audit(body: AuditRequest, services: ServicesDep, principal: Pri
 
 
 @router.get("/{audit_id}", response_model=AuditJob, responses=p.responses(p.AuditNotFound))
-async def get_audit(audit_id: AuditId, services: ServicesDep) -> AuditJob:
+async def get_audit(audit_id: AuditId, services: ServicesDep, principal: PrincipalDep) -> AuditJob:
     """An audit's status and progress."""
-    return job_view(await _job(services, audit_id))
+    return job_view(await _job(services, audit_id, principal))
 
 
 @router.get("/{audit_id}/items", response_model=AuditItems, responses=p.responses(p.AuditNotFound))
-async def list_audit_items(audit_id: AuditId, services: ServicesDep,
+async def list_audit_items(audit_id: AuditId, services: ServicesDep, principal: PrincipalDep,
                            offset: Annotated[int, Query(ge=0, le=2**31 - 1)] = 0,
                            limit: Annotated[int, Query(ge=1, le=1000)] = 100) -> AuditItems:
     """An audit's items: status, attempts, flags and top documents of each."""
-    job = await _job(services, audit_id)
+    job = await _job(services, audit_id, principal)
     items = await services.io(services.state.items, audit_id, offset, limit)
     return AuditItems(job=job_view(job), items=[item_view(i) for i in items])
 
 
 @router.post("/{audit_id}/cancel", response_model=AuditJob, responses=p.responses(p.AuditNotFound, p.AuditFinished))
-async def cancel_audit(audit_id: AuditId, services: ServicesDep) -> AuditJob:
+async def cancel_audit(audit_id: AuditId, services: ServicesDep, principal: PrincipalDep) -> AuditJob:
     """Stop an audit: items not yet processed stay pending and are never processed."""
-    await _job(services, audit_id)
+    await _job(services, audit_id, principal)
     if not await services.io(services.state.cancel, audit_id):
-        job = await _job(services, audit_id)
+        job = await _job(services, audit_id, principal)
         if job["status"] != "cancelled":
             raise p.AuditFinished(f"audit {audit_id} is {job['status']}; only queued or running audits can be "
                                   "cancelled")
-    return job_view(await _job(services, audit_id))
+    return job_view(await _job(services, audit_id, principal))
 
 
 @router.get("/{audit_id}/results", response_class=Response, responses={
@@ -128,11 +134,11 @@ async def cancel_audit(audit_id: AuditId, services: ServicesDep) -> AuditJob:
           "content": {"application/x-ndjson": {"schema": {"type": "string"}},
                       "application/vnd.apache.parquet": {"schema": {"type": "string", "format": "binary"}}}},
     **p.responses(p.AuditNotFound)})
-async def download_audit_results(audit_id: AuditId, services: ServicesDep,
+async def download_audit_results(audit_id: AuditId, services: ServicesDep, principal: PrincipalDep,
                                  format: Annotated[Literal["jsonl", "parquet"], Query()] = "jsonl") -> Response:
     """Download an audit's results so far: JSONL, one line per item, or Parquet, one row per
     (item, rank) as in the `audit_results` SQL table."""
-    await _job(services, audit_id)
+    await _job(services, audit_id, principal)
     if format == "parquet":
         table = await services.io(services.state.audit_results, job_id=audit_id)
         buf = io.BytesIO()

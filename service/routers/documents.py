@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from typing import Annotated
 
 from fastapi import APIRouter, Path, Query
@@ -24,14 +25,31 @@ async def _batch(services: Services, index: str | None, ids: list[int]) -> Docum
 
 
 @router.get("", response_model=DocumentBatch, responses=p.responses(p.UnknownIndex, p.TooManyItems))
-async def list_documents(ids: Annotated[str, Query(max_length=200_000, pattern=r"^\s*\d+(\s*,\s*\d+)*\s*$",
-                                                   description="Comma-separated document ids.")],
+async def list_documents(ids: Annotated[str, Query(max_length=200_000, description="Comma-separated document ids "
+                                                   "(ASCII digits, each below 2^31).")],
                          services: ServicesDep, index: IndexQuery = None) -> DocumentBatch:
     """Fetch several documents by id (`?ids=3,17,42`); unknown ids are listed in `missing`."""
-    parsed = [int(x) for x in ids.split(",")]
-    if any(i > 2**31 - 1 for i in parsed):
-        raise p.InvalidRequest("ids: every id must be below 2^31")
-    return await _batch(services, index, parsed)
+    return await _batch(services, index, parse_ids(ids))
+
+
+_ID = re.compile(r"[0-9]{1,10}")
+
+
+def parse_ids(text: str) -> list[int]:
+    """``"3, 17,42"`` -> [3, 17, 42]; anything else (other digits, signs, over-long numbers) is a 422
+    naming the field and the offending item, checked before any conversion."""
+    out = []
+    for n, raw in enumerate(text.split(",")):
+        item = raw.strip(" ")
+        if not _ID.fullmatch(item):
+            shown = item if len(item) <= 20 else item[:20] + f"... ({len(item)} characters)"
+            raise p.InvalidRequest(f"ids: item {n} ({shown!r}) is not a document id: ASCII digits, at most "
+                                   "10 of them")
+        value = int(item)
+        if value > 2**31 - 1:
+            raise p.InvalidRequest(f"ids: item {n} ({value}) is not below 2^31")
+        out.append(value)
+    return out
 
 
 @router.post("/batch", response_model=DocumentBatch,

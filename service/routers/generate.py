@@ -13,7 +13,7 @@ router = APIRouter(prefix="/generate", tags=["generation"])
 
 @router.post("", response_model=GenerateResponse,
              responses=p.responses(p.UnknownIndex, p.InvalidQuery, p.PromptTooLong, p.InvalidPrototype,
-                                   p.PrototypeSetNotFound, p.BodyTooLarge))
+                                   p.PrototypeSetNotFound, p.TooManyItems, p.BodyTooLarge))
 async def generate(body: GenerateRequest, services: ServicesDep) -> GenerateResponse:
     """Continue a prompt. `suppress` (prototype ids, or a stored set's name) zeroes those prototypes'
     activations, so they contribute nothing to the logits (the active sets and residual stay as they are)."""
@@ -31,6 +31,8 @@ async def generate(body: GenerateRequest, services: ServicesDep) -> GenerateResp
         ids = found["prototypes"]
     else:
         ids = list(body.suppress or [])
+        if len(ids) > services.settings.max_batch_items:
+            raise p.TooManyItems(f"suppress: {len(ids)} ids; the limit is {services.settings.max_batch_items}")
         ix.check_prototypes(ids, "suppress")
     out = await services.run(ix, ix.generate, body.prompt, max_new_tokens=n_new,
                              temperature=body.temperature, top_k=body.top_k, seed=body.seed, suppress=ids)

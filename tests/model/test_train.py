@@ -176,3 +176,16 @@ def test_bf16_autocast_keeps_the_head_in_fp32(tmp_path, tiny_corpus, tiny_tokeni
     with torch.autocast("cpu", dtype=torch.bfloat16):
         out = t.model(x, return_head=True)
     assert out.logits.dtype == torch.bfloat16 and out.head.acts.dtype == torch.float32
+
+
+def test_auto_precision_uses_bf16_on_a_cpu_only_where_it_is_native(monkeypatch):
+    from prism_tda.model import device
+
+    cpu = torch.device("cpu")
+    for native in (False, True):
+        monkeypatch.setattr(device, "cpu_has_native_bf16", lambda native=native: native)
+        ctx = device.autocast_for(cpu, "auto", cpu_bf16_when_native=True)
+        assert isinstance(ctx, torch.autocast) == native
+        assert not isinstance(device.autocast_for(cpu, "auto"), torch.autocast)  # the indexer's rows stay fp32
+        assert isinstance(device.autocast_for(cpu, "bf16"), torch.autocast)
+        assert not isinstance(device.autocast_for(cpu, "fp32", cpu_bf16_when_native=True), torch.autocast)

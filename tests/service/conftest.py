@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import os
+import signal
 import socket
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -83,3 +87,63 @@ def assert_problem(r: httpx.Response, status: int, kind: str, *, mentions: str |
     if mentions is not None:
         assert mentions in body["detail"], body["detail"]
     return body
+
+
+class Server:
+    """`prism serve` in a subprocess (the way it is deployed), logging to a file."""
+
+    def __init__(self, indexes: list[str], state_dir: Path, log_path: Path, **env: str) -> None:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log_path = log_path
+        self._log = open(log_path, "wb")
+        full_env = {**os.environ, "PRISM_RATE_LIMIT_PER_MINUTE": "0", "PRISM_TORCH_THREADS": "1",
+                    "PRISM_AUDIT_POLL_S": "0.1", **env}
+        args = [a for ix in indexes for a in ("--index", ix)]
+        self.proc = subprocess.Popen([sys.executable, "-m", "prism_tda.cli", "--log-format", "text", "serve", *args,
+                                      "--port", str(self.port),
+                                      "--state-dir", str(state_dir)], env=full_env, stdout=self._log,
+                                     stderr=subprocess.STDOUT)
+
+    def wait_ready(self, timeout: float = 120) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            assert self.proc.poll() is None, "the server exited:\n" + self.log()
+            try:
+                if httpx.get(self.url + "/readyz", timeout=2).status_code == 200:
+                    return
+            except httpx.TransportError:
+                pass
+            time.sleep(0.2)
+        raise AssertionError("the server did not become ready:\n" + self.log())
+
+    def signal(self, sig: signal.Signals) -> None:
+        self.proc.send_signal(sig)
+
+    def log(self) -> str:
+        self._log.flush()
+        return self.log_path.read_text(errors="replace")[-4000:]
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(60)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(10)
+        self._log.close()
+
+
+@pytest.fixture
+def server_factory(tmp_path) -> Iterator:
+    started: list[Server] = []
+
+    def make(indexes: list[str], **env: str) -> Server:
+        s = Server(indexes, tmp_path / f"state{len(started)}", tmp_path / f"server{len(started)}.log", **env)
+        started.append(s)
+        return s
+
+    yield make
+    for s in started:
+        s.stop()

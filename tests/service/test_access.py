@@ -30,8 +30,9 @@ def test_api_keys_and_rate_limit(guarded):
     for _ in range(3):  # the burst
         assert guarded.post("/v1/sql", json=body, headers=ok).status_code == 200
     limited = guarded.post("/v1/sql", json=body, headers=ok)
-    assert_problem(limited, 429, "rate-limited")
+    problem = assert_problem(limited, 429, "rate-limited")
     assert int(limited.headers["retry-after"]) >= 1
+    assert f"retry in {limited.headers['retry-after']} s" in problem["detail"]  # the detail and the header agree
     # the other key has its own bucket; health endpoints need no key
     assert guarded.post("/v1/sql", json=body, headers={"Authorization": "Bearer k-two"}).status_code == 200
     assert guarded.get("/healthz").status_code == 200

@@ -3,64 +3,44 @@ every item is processed exactly once."""
 
 from __future__ import annotations
 
-import os
 import signal
-import subprocess
-import sys
 import time
 
 import httpx
 import pytest
 
-from .conftest import free_port
+from .conftest import Server
 
 N_ITEMS, TOP_K = 150, 4
 
 
-def serve(index, state_dir, port, log) -> subprocess.Popen:
-    env = {**os.environ, "PRISM_MAX_BATCH_ITEMS": "1000", "PRISM_AUDIT_POLL_S": "0.1", "PRISM_RATE_LIMIT_PER_MINUTE": "0"}
-    return subprocess.Popen([sys.executable, "-m", "prism_tda.cli", "serve", "--index", f"tiny={index}",
-                             "--port", str(port), "--state-dir", str(state_dir)], env=env, stdout=log, stderr=log)
-
-
-def wait_ready(url: str, proc: subprocess.Popen, timeout: float = 120) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        assert proc.poll() is None, "the server exited"
-        try:
-            if httpx.get(url + "/readyz", timeout=2).status_code == 200:
-                return
-        except httpx.TransportError:
-            pass
-        time.sleep(0.2)
-    raise AssertionError("the server did not become ready")
-
-
 @pytest.mark.slow
 def test_sigkill_mid_audit_then_restart_processes_every_item_once(index, tmp_path):
-    port = free_port()
-    url = f"http://127.0.0.1:{port}"
     state = tmp_path / "state"
-    log = open(tmp_path / "server.log", "wb")
+    env = {"PRISM_MAX_BATCH_ITEMS": "1000"}
     items = [{"id": f"item-{i}", "prompt": "A computer" if i % 2 else "Love is", "completion": " is a"}
              for i in range(N_ITEMS)]
     body = {"items": items, "top_k": TOP_K, "mode": "exact"}
-    proc = serve(index, state, port, log)
+    first = Server([f"tiny={index}"], state, tmp_path / "first.log", **env)
     try:
-        wait_ready(url, proc)
-        r = httpx.post(url + "/v1/audits", json=body, headers={"Idempotency-Key": "crash-1"}, timeout=30)
+        first.wait_ready()
+        r = httpx.post(first.url + "/v1/audits", json=body, headers={"Idempotency-Key": "crash-1"}, timeout=30)
         assert r.status_code == 202, r.text
         job_id = r.json()["id"]
         deadline = time.monotonic() + 60
-        while (done_at_kill := httpx.get(f"{url}/v1/audits/{job_id}").json()["n_done"]) < 10:
+        while (done_at_kill := httpx.get(f"{first.url}/v1/audits/{job_id}").json()["n_done"]) < 10:
             assert time.monotonic() < deadline, "the worker made no progress"
             time.sleep(0.02)
-        proc.send_signal(signal.SIGKILL)
-        proc.wait(10)
+        first.signal(signal.SIGKILL)
+        first.proc.wait(10)
         assert done_at_kill < N_ITEMS, "the audit finished before the kill; make it longer"
+    finally:
+        first.stop()
 
-        proc = serve(index, state, port, log)
-        wait_ready(url, proc)
+    second = Server([f"tiny={index}"], state, tmp_path / "second.log", **env)
+    try:
+        second.wait_ready()
+        url = second.url
         again = httpx.post(url + "/v1/audits", json=body, headers={"Idempotency-Key": "crash-1"}, timeout=30)
         assert again.json()["id"] == job_id  # resubmitting after the restart returns the same job
         deadline = time.monotonic() + 180
@@ -77,10 +57,4 @@ def test_sigkill_mid_audit_then_restart_processes_every_item_once(index, tmp_pat
         rows = httpx.post(url + "/v1/sql", json={"sql": sql}).json()["rows"]
         assert rows == [[N_ITEMS * TOP_K, N_ITEMS * TOP_K, N_ITEMS]]
     finally:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(30)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-        log.close()
+        second.stop()

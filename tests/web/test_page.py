@@ -195,3 +195,15 @@ def test_api_key_field(browser, keyed):
         assert page.evaluate("sessionStorage.getItem('prism.apiKey')") == "s3cret-key"
     finally:
         context.close()
+
+
+def test_api_docs_render_offline(page, web_live):
+    """/docs loads Swagger UI from this server alone and renders the API (no CDN: the test machine
+    has no network, and every request the page makes is checked)."""
+    requests: list[str] = []
+    page.on("request", lambda r: requests.append(r.url))
+    page.goto(web_live.url + "/docs")
+    page.wait_for_selector(".swagger-ui .info .title")
+    assert "PRISM-TDA" in page.inner_text(".swagger-ui .info .title")
+    page.get_by_text("/v1/attribute", exact=True).first.wait_for()
+    assert requests and all(u.startswith(web_live.url + "/") for u in requests), requests

@@ -1,0 +1,231 @@
+"""The locked DuckDB engine for user SQL, and the worker process that runs it.
+
+Nothing here imports the web framework or torch: this module is the whole program of a SQL
+worker process (``python -m prism_tda.service.sqlengine CONFIG``), which the server starts,
+watches and kills when a statement overruns (``service/sqlpool.py``).
+
+The lock-down: the index's tables are views over exactly the files the index lists; DuckDB may
+read those files and nothing else (``allowed_paths``, ``enable_external_access = false``), loads
+no extension, never spills to disk, cannot see Python variables, and its configuration is locked
+before any user SQL runs. A statement must parse into exactly one SELECT-like statement.
+
+Worker protocol (stdin/stdout, each message a 4-byte big-endian length and a payload): the worker
+first sends ``{"ready": true, "pid": ..}``; then for each request ``{"sql": .., "audit": ..}`` it
+answers a JSON header (``{"ok": true, "columns": .., "row_count": ..}`` or ``{"ok": false,
+"kind": .., "detail": ..}``) followed by the rows as one JSON array (empty on error). The worker
+exits when its stdin closes, so it never outlives the server.
+"""
+
+from __future__ import annotations
+
+import decimal
+import json
+import math
+import struct
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any, BinaryIO
+
+import duckdb
+import pyarrow as pa
+
+TABLES = ("documents", "sequences", "activations", "token_grads")
+SINGLE_FILES = ("prototypes", "vocab")
+
+
+class SqlRefusal(Exception):
+    """A statement refused or stopped; ``kind`` is its problem type (``sql-timeout``, ...)."""
+
+    def __init__(self, kind: str, detail: str) -> None:
+        super().__init__(detail)
+        self.kind, self.detail = kind, detail
+
+
+def _quote(s: str) -> str:
+    return "'" + s.replace("'", "''") + "'"
+
+
+def _first_line(e: Exception) -> str:
+    msg = str(e).strip()
+    return msg.split("\n")[0] if msg else type(e).__name__
+
+
+def table_files(index_dir: Path) -> dict[str, list[Path]]:
+    """The Parquet files behind each table of an index; raises ``FileNotFoundError`` naming a missing one."""
+    files: dict[str, list[Path]] = {t: sorted((index_dir / t).glob("part-*.parquet")) for t in TABLES}
+    files.update({t: [index_dir / f"{t}.parquet"] for t in SINGLE_FILES})
+    missing = [t for t, fs in files.items() if not fs or not all(f.is_file() for f in fs)]
+    if missing:
+        raise FileNotFoundError(f"{index_dir}: table(s) {missing} missing")
+    return files
+
+
+def open_locked(index_dir: Path, *, memory_limit: str, threads: int) -> duckdb.DuckDBPyConnection:
+    """An in-memory DuckDB database whose only tables are the index's, locked down (see module doc)."""
+    files = table_files(index_dir)
+    con = duckdb.connect(":memory:", config={
+        "memory_limit": memory_limit, "threads": threads,
+        "autoinstall_known_extensions": False, "autoload_known_extensions": False,
+        "python_enable_replacements": False,  # user SQL cannot name Python variables
+    })
+    for table, fs in files.items():
+        con.execute(f"CREATE VIEW {table} AS SELECT * FROM read_parquet([{', '.join(_quote(str(f)) for f in fs)}])")
+    allowed = [str(f) for fs in files.values() for f in fs]
+    con.execute(f"SET allowed_paths = [{', '.join(_quote(a) for a in allowed)}]")
+    con.execute("SET temp_directory = ''")  # no spilling to disk: the memory limit is the limit
+    con.execute("SET enable_external_access = false")
+    con.execute("SET lock_configuration = true")
+    return con
+
+
+def check_statement(sql: str) -> str:
+    """The one statement of ``sql`` if it is a plain query; raises :class:`SqlRefusal` otherwise."""
+    try:
+        stmts = duckdb.extract_statements(sql)
+    except duckdb.Error as e:
+        raise SqlRefusal("sql-syntax", _first_line(e)) from None
+    if len(stmts) != 1:
+        raise SqlRefusal("sql-one-statement", f"got {len(stmts)} statements; send exactly one SELECT")
+    st = stmts[0]
+    if st.type != duckdb.StatementType.SELECT:
+        raise SqlRefusal("sql-forbidden", f"only SELECT queries are allowed, not {st.type.name}")
+    return st.query
+
+
+def jsonable(v: Any) -> Any:
+    """A value of an Arrow result as JSON: decimals become floats, non-finite floats null, bytes hex,
+    dates and times ISO 8601, anything else its string."""
+    if v is None or isinstance(v, (bool, int, str)):
+        return v
+    if isinstance(v, float):
+        return v if math.isfinite(v) else None
+    if isinstance(v, dict):
+        return {str(k): jsonable(x) for k, x in v.items()}
+    if isinstance(v, (list, tuple)):
+        return [jsonable(x) for x in v]
+    if isinstance(v, decimal.Decimal):
+        f = float(v)
+        return f if math.isfinite(f) else None
+    if isinstance(v, bytes):
+        return v.hex()
+    if hasattr(v, "isoformat"):
+        return v.isoformat()
+    return str(v)
+
+
+class Engine:
+    """Runs user statements on a locked connection, bounded in time, rows and result bytes."""
+
+    def __init__(self, con: duckdb.DuckDBPyConnection, *, timeout_s: float, max_rows: int,
+                 max_result_bytes: int) -> None:
+        self.con, self.timeout_s, self.max_rows, self.max_result_bytes = con, timeout_s, max_rows, max_result_bytes
+
+    def run(self, sql: str, audit_results: Callable[[], pa.Table] | None = None) -> tuple[dict[str, Any], bytes]:
+        """(header, rows as one JSON array) for one statement; raises :class:`SqlRefusal`."""
+        query = check_statement(sql)
+        t0 = time.perf_counter()
+        cur = self.con.cursor()
+        timer = threading.Timer(self.timeout_s, cur.interrupt)
+        try:
+            if audit_results is not None and "audit_results" in query.lower():
+                cur.register("audit_results", audit_results())
+            timer.start()
+            # small batches: a batch of wide rows is what the result-size cap has to stop
+            reader = cur.sql(query).limit(self.max_rows + 1).to_arrow_reader(64)
+            columns = [{"name": f.name, "type": str(f.type)} for f in reader.schema]
+            rows, n = self._encode(reader, t0)
+        except duckdb.InterruptException:
+            raise SqlRefusal("sql-timeout", f"the query ran longer than {self.timeout_s:g} s and was "
+                                            "interrupted") from None
+        except duckdb.OutOfMemoryException:
+            raise SqlRefusal("sql-out-of-memory", "the query needs more memory than the service's SQL memory "
+                                                  "limit") from None
+        except duckdb.PermissionException as e:
+            raise SqlRefusal("sql-forbidden", _first_line(e)) from None
+        except duckdb.ParserException as e:
+            raise SqlRefusal("sql-syntax", _first_line(e)) from None
+        except duckdb.Error as e:
+            raise SqlRefusal("sql-error", _first_line(e)) from None
+        finally:
+            timer.cancel()
+            cur.close()
+        return {"ok": True, "columns": columns, "row_count": n}, rows
+
+    def _encode(self, reader: pa.RecordBatchReader, t0: float) -> tuple[bytes, int]:
+        parts, n, size = [b"["], 0, 2
+        for batch in reader:
+            cols = [c.to_pylist() for c in batch.columns]
+            for i in range(batch.num_rows):
+                n += 1
+                if n > self.max_rows:
+                    raise SqlRefusal("sql-too-many-rows", f"the query returns more than {self.max_rows} rows; "
+                                                          "add a LIMIT or aggregate")
+                row = json.dumps([jsonable(c[i]) for c in cols], separators=(",", ":"), ensure_ascii=False,
+                                 allow_nan=False).encode()
+                size += len(row) + 1
+                if size > self.max_result_bytes:
+                    raise SqlRefusal("sql-result-too-large", f"the result is larger than "
+                                                             f"{self.max_result_bytes} bytes of JSON; select "
+                                                             "fewer or shorter columns, or add a LIMIT")
+                parts.append(row if n == 1 else b"," + row)
+            if time.perf_counter() - t0 > self.timeout_s:
+                raise duckdb.InterruptException("timeout while encoding")
+        parts.append(b"]")
+        return b"".join(parts), n
+
+
+# ----------------------------------------------------------------------------- framing
+def write_frame(out: BinaryIO, payload: bytes) -> None:
+    out.write(struct.pack(">I", len(payload)))
+    out.write(payload)
+    out.flush()
+
+
+def read_frames(inp: BinaryIO) -> Iterator[bytes]:
+    while True:
+        head = inp.read(4)
+        if len(head) < 4:
+            return
+        (n,) = struct.unpack(">I", head)
+        body = inp.read(n)
+        if len(body) < n:
+            return
+        yield body
+
+
+def main(argv: list[str] | None = None) -> int:
+    """A worker process: one locked engine over one index, requests on stdin, answers on stdout."""
+    cfg = json.loads((argv or sys.argv[1:])[0])
+    from prism_tda.service.state import read_audit_results
+
+    try:
+        con = open_locked(Path(cfg["index_dir"]), memory_limit=cfg["duckdb_memory_limit"], threads=cfg["threads"])
+    except (OSError, duckdb.Error) as e:
+        print(f"SQL worker: {e}", file=sys.stderr)
+        return 2
+    engine = Engine(con, timeout_s=cfg["timeout_s"], max_rows=cfg["max_rows"],
+                    max_result_bytes=cfg["max_result_bytes"])
+    out, inp = sys.stdout.buffer, sys.stdin.buffer
+    write_frame(out, json.dumps({"ready": True}).encode())
+    for frame in read_frames(inp):
+        req = json.loads(frame)
+        audit = req.get("audit")
+        source = None
+        if audit is not None and cfg.get("state_path"):
+            def source(a: dict[str, Any] = audit) -> pa.Table:
+                return read_audit_results(Path(cfg["state_path"]), index_name=a["index_name"],
+                                          principal=a.get("principal"))
+        try:
+            header, rows = engine.run(req["sql"], source)
+        except SqlRefusal as e:
+            header, rows = {"ok": False, "kind": e.kind, "detail": e.detail}, b""
+        write_frame(out, json.dumps(header).encode())
+        write_frame(out, rows)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
