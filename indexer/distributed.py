@@ -19,6 +19,8 @@ from typing import TYPE_CHECKING, Any
 
 from tqdm.auto import tqdm
 
+from prism_tda.engine.layout import IndexManifest, ShardEntry, ShardForward
+
 if TYPE_CHECKING:
     from .run import Indexer
 
@@ -30,11 +32,11 @@ class _Worker:
         import torch
         from safetensors.torch import load_file
 
+        from prism_tda.engine import layout as store
+        from prism_tda.engine.layout import IndexConfig
         from prism_tda.model import checkpoint as ckpt
         from prism_tda.model.device import autocast_for, pick_device
 
-        from . import store
-        from .config import IndexConfig
         from .forward import ShardProcessor
 
         torch.set_num_threads(max(1, threads))
@@ -49,11 +51,12 @@ class _Worker:
                                    autocast=autocast_for(device, config.dtype),
                                    act_mantissa_bits=config.act_mantissa_bits)
 
-    def process(self, shard: int) -> dict[str, Any]:
+    def process(self, shard: int) -> ShardForward:
         return self.proc.process(self.out, shard)
 
 
-def run_on_ray(ix: Indexer, manifest: dict, pending: list[dict], *, workers: int, address: str | None) -> None:
+def run_on_ray(ix: Indexer, manifest: IndexManifest, pending: list[ShardEntry], *, workers: int,
+               address: str | None) -> None:
     import ray
 
     started_here = not ray.is_initialized()
@@ -72,20 +75,20 @@ def run_on_ray(ix: Indexer, manifest: dict, pending: list[dict], *, workers: int
         threads = max(1, int(cpus // n))
         actors = [Actor.remote(str(ix.ck_path), str(ix.out), ix.cfg.to_dict(), threads) for _ in range(n)]
         queue = list(pending)
-        running: dict[Any, tuple[Any, dict]] = {}
-        total = sum(s["n_tokens"] for s in pending)
+        running: dict[Any, tuple[Any, ShardEntry]] = {}
+        total = sum(s.n_tokens for s in pending)
         with tqdm(total=total, desc=f"index (ray x{n})", unit="tok", unit_scale=True, disable=not ix.progress,
                   dynamic_ncols=True) as bar:
             idle = list(actors)
             while queue or running:
                 while queue and idle:
                     actor, s = idle.pop(), queue.pop(0)
-                    running[actor.process.remote(s["shard"])] = (actor, s)
+                    running[actor.process.remote(s.shard)] = (actor, s)
                 done, _ = ray.wait(list(running), num_returns=1)
                 for ref in done:
                     actor, s = running.pop(ref)
                     ix._complete(manifest, s, ray.get(ref))
-                    bar.update(s["n_tokens"])
+                    bar.update(s.n_tokens)
                     idle.append(actor)
         for a in actors:
             ray.kill(a)

@@ -1,11 +1,5 @@
-"""Fixed-size attribution embeddings ``e(x)`` and the FAISS index over them (DESIGN §2, "Cached / fast").
-
-For each prototype i active in x, the preconditioned column ``v_i = (H_i + lam I)^{-1/2} g_i(x)``
-(in the Q basis) is projected to ``r`` dimensions by a Gaussian JL matrix and added into one of
-``B`` buckets with a random sign (a count-sketch over the prototype axis). Then
-``<e(q), e(x)>`` is an unbiased estimate of ``sum_i v_i(q) . v_i(x) = I(q, x)``. Embeddings are
-L2-normalised, so FAISS inner-product search ranks by the cosine of preconditioned gradients.
-"""
+"""Per-sequence attribution embeddings ``e(x)`` (``engine.sketch``) from a shard's stored rows, and
+the FAISS index over them (DESIGN §2, "Cached / fast")."""
 
 from __future__ import annotations
 
@@ -15,41 +9,9 @@ import numpy as np
 import pyarrow.parquet as pq
 import torch
 
-from .curvature import Curvature
-from .store import atomic_write_bytes, part_name
-
-ROW_CHUNK = 65536
-
-
-class Sketch:
-    def __init__(self, n_prototypes: int, u_dim: int, r: int, buckets: int, seed: int) -> None:
-        g = torch.Generator().manual_seed(seed)
-        self.R = torch.randn(u_dim, r, generator=g) / r**0.5  # (u_dim, r), JL
-        self.bucket = torch.randint(0, buckets, (n_prototypes,), generator=g)
-        self.sign = torch.randint(0, 2, (n_prototypes,), generator=g).float() * 2 - 1
-        self.r, self.buckets = r, buckets
-
-    @property
-    def dim(self) -> int:
-        return self.r * self.buckets
-
-    def embed_rows(self, group: torch.Tensor, proto: torch.Tensor, w: torch.Tensor, n_groups: int,
-                   out: torch.Tensor | None = None) -> torch.Tensor:
-        """Add the preconditioned per-row gradients ``w`` (rows, u_dim) of prototype ``proto`` into
-        ``n_groups`` sketches (n_groups, B * r), in ``out`` when given."""
-        if out is None:
-            out = torch.zeros(n_groups, self.dim)
-        flat = out.view(n_groups * self.buckets, self.r)
-        for c in range(0, len(group), ROW_CHUNK):
-            sl = slice(c, c + ROW_CHUNK)
-            proj = (w[sl] @ self.R) * self.sign[proto[sl]].unsqueeze(1)  # (rows, r)
-            flat.index_add_(0, group[sl] * self.buckets + self.bucket[proto[sl]], proj)
-        return out
-
-
-def normalise(e: np.ndarray) -> np.ndarray:
-    n = np.linalg.norm(e, axis=1, keepdims=True)
-    return (e / np.maximum(n, 1e-12)).astype(np.float32)
+from prism_tda.engine.curvature import Curvature
+from prism_tda.engine.layout import atomic_write_bytes, part_name
+from prism_tda.engine.sketch import ROW_CHUNK, Sketch, normalise
 
 
 def shard_embeddings(index_dir: Path, shard: int, seq_start: int, n_seqs: int, curv: Curvature,
@@ -107,14 +69,3 @@ def build_faiss(index_dir: Path, shards: list[int], dim: int, spec: str, train_s
     faiss.write_index(index, str(tmp))
     tmp.replace(index_dir / "faiss.index")
     return index.ntotal
-
-
-def open_faiss(index_dir: Path):
-    """Open the index memory-mapped where FAISS supports it for the spec."""
-    import faiss
-
-    path = str(Path(index_dir) / "faiss.index")
-    try:
-        return faiss.read_index(path, faiss.IO_FLAG_MMAP | faiss.IO_FLAG_READ_ONLY)
-    except RuntimeError:
-        return faiss.read_index(path)

@@ -16,8 +16,10 @@ from typing import Any
 
 import torch
 
-from . import store
-from .forward import ShardProcessor, run_batch
+from prism_tda.engine import layout as store
+from prism_tda.engine.tokens import run_batch
+
+from .forward import ShardProcessor
 from .plan import plan_shards
 
 CALIBRATION_SEQUENCES = 64
@@ -33,9 +35,9 @@ def estimate(ix, *, calibration_sequences: int = CALIBRATION_SEQUENCES) -> dict[
     t0 = time.perf_counter()
     shards, stats = plan_shards(ix.corpus, ix.tokenizer, mc.block_size, cfg, ix.schemas, None, progress=False)
     plan_s = time.perf_counter() - t0
-    n_docs = sum(s["n_docs"] for s in shards)
-    n_seqs = sum(s["n_seqs"] for s in shards)
-    n_tok = sum(s["n_tokens"] for s in shards)
+    n_docs = sum(s.n_docs for s in shards)
+    n_seqs = sum(s.n_seqs for s in shards)
+    n_tok = sum(s.n_tokens for s in shards)
 
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
@@ -49,10 +51,10 @@ def estimate(ix, *, calibration_sequences: int = CALIBRATION_SEQUENCES) -> dict[
         t1 = time.perf_counter()
         proc.process(tmp, 0)
         fwd_s = time.perf_counter() - t1
-        per_tok = {t: store.dir_bytes(tmp / t) / max(s0["n_tokens"], 1)
+        per_tok = {t: store.dir_bytes(tmp / t) / max(s0.n_tokens, 1)
                    for t in ("sequences", "activations", "token_grads")}
-        doc_bytes_per_doc = store.dir_bytes(tmp / "documents") / max(s0["n_docs"], 1)
-        tok_per_s = s0["n_tokens"] / max(fwd_s, 1e-9)
+        doc_bytes_per_doc = store.dir_bytes(tmp / "documents") / max(s0.n_docs, 1)
+        tok_per_s = s0.n_tokens / max(fwd_s, 1e-9)
 
     K, d, V = mc.n_prototypes, mc.d_model, mc.vocab_size
     D = cfg.embed_dim * cfg.sketch_buckets
@@ -68,14 +70,14 @@ def estimate(ix, *, calibration_sequences: int = CALIBRATION_SEQUENCES) -> dict[
     }
     T = mc.block_size
     n_batch_tok = cfg.batch_size * T
-    max_shard_tok = max((s["n_tokens"] for s in shards), default=0)
+    max_shard_tok = max((s.n_tokens for s in shards), default=0)
     memory = {
         "model": sum(p.numel() * p.element_size() for p in ix.model.parameters()),
         "forward_batch": 4 * n_batch_tok * (3 * V + 4 * d + K),  # logits, softmax, log-softmax; z/u; similarities
-        "shard_buffers": max_shard_tok * (2 * ix.u_dim + 16 * mc.top_k + 16),
+        "shard_buffers": max_shard_tok * (2 * ix.u_dim + 16 * mc.n_active + 16),
         "statistics": 8 * (2 * d * d + 2 * K * ix.u_dim),
         # embedding stage: a shard's Q^T u in fp32 and one column per (sequence, prototype) pair
-        "embedding_stage": 4 * max_shard_tok * ix.u_dim * (1 + mc.top_k // 2),
+        "embedding_stage": 4 * max_shard_tok * ix.u_dim * (1 + mc.n_active // 2),
         "faiss_build": 4 * n_seqs * D * (2 if cfg.faiss_spec == "Flat" else 1),
         "python_and_libraries": 600 * 1024**2,
     }
@@ -85,7 +87,7 @@ def estimate(ix, *, calibration_sequences: int = CALIBRATION_SEQUENCES) -> dict[
         "bad_records": stats.n_bad, "disk_bytes": disk,
         "disk_total_bytes": sum(v for v in disk.values() if v), "peak_memory_bytes": sum(memory.values()),
         "memory_breakdown": memory, "seconds": seconds, "total_seconds": sum(seconds.values()),
-        "calibration": {"sequences": s0["n_seqs"], "tokens": s0["n_tokens"], "tokens_per_s": tok_per_s},
+        "calibration": {"sequences": s0.n_seqs, "tokens": s0.n_tokens, "tokens_per_s": tok_per_s},
     }
 
 

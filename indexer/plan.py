@@ -15,10 +15,8 @@ from tokenizers import Tokenizer
 from tqdm.auto import tqdm
 
 from prism_tda.corpus import CorpusStats, Document, read_corpus
+from prism_tda.engine.layout import IndexConfig, ShardEntry, part_name, write_table
 from prism_tda.model.tokenizer import eos_id
-
-from .config import IndexConfig
-from .store import part_name, write_table
 
 
 @dataclass
@@ -52,12 +50,12 @@ def _chunks(docs: Iterator[Document], size: int) -> Iterator[list[Document]]:
 def plan_shards(
     corpus: list[str], tokenizer: Tokenizer, block: int, cfg: IndexConfig, schemas: dict[str, pa.Schema],
     out: Path | None, *, progress: bool = True, max_documents: int | None = None,
-) -> tuple[list[dict], CorpusStats]:
+) -> tuple[list[ShardEntry], CorpusStats]:
     """Write ``documents`` and ``sequences`` parts (unless ``out`` is None); return shard entries."""
     stats = CorpusStats()
     eos = eos_id(tokenizer)
     stride = cfg.stride or block
-    shards: list[dict] = []
+    shards: list[ShardEntry] = []
     doc0 = seq0 = 0
     docs = read_corpus(corpus, stats)
     bar = tqdm(desc="plan", unit="doc", disable=not progress, dynamic_ncols=True)
@@ -83,8 +81,8 @@ def plan_shards(
                 seq_rows["target_ids"].append(tgts)
                 n_tok += len(toks)
         n_seq = len(seq_rows["seq_id"])
-        entry = {"shard": shard, "doc_start": doc0, "n_docs": len(chunk), "seq_start": seq0, "n_seqs": n_seq,
-                 "n_tokens": n_tok}
+        entry = ShardEntry(shard=shard, doc_start=doc0, n_docs=len(chunk), seq_start=seq0, n_seqs=n_seq,
+                           n_tokens=n_tok)
         if out is not None:
             for name, rows in (("documents", doc_rows), ("sequences", seq_rows)):
                 write_table(out / name / part_name(shard), pa.Table.from_pydict(rows, schema=schemas[name]))

@@ -20,17 +20,26 @@ from safetensors.torch import load_file
 from tqdm.auto import tqdm
 
 from prism_tda.corpus import fingerprint
+from prism_tda.engine import layout as store
+from prism_tda.engine.curvature import Curvature, finalize, fit_basis
+from prism_tda.engine.layout import (
+    IDENTITY_FIELDS,
+    IndexConfig,
+    IndexManifest,
+    Plan,
+    ShardEntry,
+    ShardForward,
+)
+from prism_tda.engine.sketch import Sketch
+from prism_tda.engine.tokens import run_batch
 from prism_tda.errors import PrismError
 from prism_tda.model import checkpoint as ckpt
 from prism_tda.model.device import autocast_for, pick_device
 from prism_tda.model.metrics import usage_stats
 
-from . import store
-from .config import IDENTITY_FIELDS, IndexConfig
-from .curvature import Curvature, finalize, fit_basis
-from .embed import Sketch, build_faiss, save_embeddings, shard_embeddings
+from .embed import build_faiss, save_embeddings, shard_embeddings
 from .estimate import compare, estimate, peak_rss_bytes
-from .forward import ShardProcessor, ShardStats, run_batch
+from .forward import ShardProcessor, ShardStats
 from .plan import plan_shards
 
 log = logging.getLogger(__name__)
@@ -77,11 +86,11 @@ class Indexer:
         self.timings: dict[str, float] = {}
 
     # ------------------------------------------------------------------------------ stages
-    def _open_manifest(self) -> dict[str, Any]:
+    def _open_manifest(self) -> IndexManifest:
         ident = identity(self.ck_config, self.corpus, self.cfg)
         m = store.read_manifest(self.out)
         if m is not None:
-            old = m.get("identity", {})
+            old = m.identity
             diff = {k: (old.get(k), v) for k, v in ident.items() if old.get(k) != v}
             if diff:
                 raise IndexMismatchError(
@@ -89,36 +98,30 @@ class Indexer:
                     f"(stored, given): {diff}. Use another --out, or delete the index to rebuild it."
                 )
             return m
-        return {"format": store.FORMAT, "format_version": store.FORMAT_VERSION, "identity": ident,
-                "checkpoint": str(self.ck_path), "corpus": self.corpus, "config": self.cfg.to_dict(),
-                "model": self.ck_config["model"], "versions": _versions(), "plan": None, "shards": [],
-                "complete": False, "timings": {}}
+        return IndexManifest(identity=ident, checkpoint=str(self.ck_path), corpus=self.corpus, config=self.cfg,
+                             model=self.ck_config["model"], versions=_versions())
 
-    def _plan(self, m: dict) -> None:
-        if m["plan"] is not None:
+    def _plan(self, m: IndexManifest) -> None:
+        if m.plan is not None:
             return
         t0 = time.perf_counter()
-        shards, stats = plan_shards(self.corpus, self.tokenizer, self.model.cfg.block_size, self.cfg, self.schemas,
-                                    self.out, progress=self.progress)
-        for s in shards:
-            s["forward"] = None
-            s["embedded"] = False
-        m["shards"] = shards
-        m["plan"] = {"corpus": stats.to_dict(), "documents": sum(s["n_docs"] for s in shards),
-                     "sequences": sum(s["n_seqs"] for s in shards), "tokens": sum(s["n_tokens"] for s in shards)}
-        m["timings"]["plan_s"] = round(time.perf_counter() - t0, 3)
+        m.shards, stats = plan_shards(self.corpus, self.tokenizer, self.model.cfg.block_size, self.cfg,
+                                      self.schemas, self.out, progress=self.progress)
+        m.plan = Plan(corpus=stats.to_dict(), documents=sum(s.n_docs for s in m.shards),
+                      sequences=sum(s.n_seqs for s in m.shards), tokens=sum(s.n_tokens for s in m.shards))
+        m.timings["plan_s"] = round(time.perf_counter() - t0, 3)
         store.write_manifest(self.out, m)
         if stats.n_bad:
             log.warning("bad corpus records", extra={"bad_by_reason": dict(stats.bad)})
 
-    def _basis(self, m: dict) -> torch.Tensor:
+    def _basis(self, m: IndexManifest) -> torch.Tensor:
         path = self.out / "basis.safetensors"
         if path.is_file():
             return load_file(str(path))["Q"]
         t0 = time.perf_counter()
         toks, tgts = [], []
-        for s in m["shards"]:
-            seqs = pq.read_table(self.out / "sequences" / store.part_name(s["shard"]),
+        for s in m.shards:
+            seqs = pq.read_table(self.out / "sequences" / store.part_name(s.shard),
                                  columns=["token_ids", "target_ids"]).to_pydict()
             toks += seqs["token_ids"][: self.cfg.basis_sequences - len(toks)]
             tgts += seqs["target_ids"][: self.cfg.basis_sequences - len(tgts)]
@@ -135,29 +138,29 @@ class Indexer:
         from safetensors.torch import save
 
         store.atomic_write_bytes(path, save({"Q": Q.contiguous(), "eigvals": evals.contiguous()}))
-        m["timings"]["basis_s"] = round(time.perf_counter() - t0, 3)
+        m.timings["basis_s"] = round(time.perf_counter() - t0, 3)
         return Q
 
-    def _forward_local(self, m: dict, Q: torch.Tensor, pending: list[dict]) -> None:
+    def _forward_local(self, m: IndexManifest, Q: torch.Tensor, pending: list[ShardEntry]) -> None:
         proc = ShardProcessor(self.model, Q, self.u_dim, self.schemas, batch_size=self.cfg.batch_size,
                               device=self.device, autocast=self.autocast, act_mantissa_bits=self.cfg.act_mantissa_bits)
-        total = sum(s["n_tokens"] for s in pending)
+        total = sum(s.n_tokens for s in pending)
         with tqdm(total=total, desc="index", unit="tok", unit_scale=True, disable=not self.progress,
                   dynamic_ncols=True) as bar:
             for s in pending:
-                res = proc.process(self.out, s["shard"], on_tokens=bar.update)
+                res = proc.process(self.out, s.shard, on_tokens=bar.update)
                 self._complete(m, s, res)
 
-    def _complete(self, m: dict, s: dict, res: dict) -> None:
-        s["forward"] = res
+    def _complete(self, m: IndexManifest, s: ShardEntry, res: ShardForward) -> None:
+        s.forward = res
         store.write_manifest(self.out, m)
-        log.debug("shard complete", extra={"shard": s["shard"], **res})
+        log.debug("shard complete", extra={"shard": s.shard, "activation_rows": res.activation_rows})
 
-    def _reduce(self, m: dict, Q: torch.Tensor) -> tuple[Curvature, ShardStats]:
+    def _reduce(self, m: IndexManifest, Q: torch.Tensor) -> tuple[Curvature, ShardStats]:
         mc = self.model.cfg
         total = ShardStats(mc.n_prototypes, mc.d_model, self.u_dim)
-        for s in m["shards"]:
-            part = load_file(str(self.out / "stats" / store.part_name(s["shard"], "safetensors")))
+        for s in m.shards:
+            part = load_file(str(self.out / "stats" / store.part_name(s.shard, "safetensors")))
             total.merge(ShardStats.from_tensors(part))
         n_tok = int(total.scalars[0])
         curv = finalize(Q, total.lam, total.count, n_tok, self.cfg.damping)
@@ -165,28 +168,25 @@ class Indexer:
                   max_cos=total.max_cos, scalars=total.scalars)
         return curv, total
 
-    def _embed(self, m: dict, curv: Curvature) -> Sketch:
+    def _embed(self, m: IndexManifest, curv: Curvature) -> Sketch:
         mc = self.model.cfg
         sketch = Sketch(mc.n_prototypes, self.u_dim, self.cfg.embed_dim, self.cfg.sketch_buckets, self.cfg.seed)
-        todo = [s for s in m["shards"] if not s["embedded"]]
+        todo = [s for s in m.shards if not s.embedded]
         for s in tqdm(todo, desc="embed", unit="shard", disable=not self.progress or not todo):
-            e = shard_embeddings(self.out, s["shard"], s["seq_start"], s["n_seqs"], curv, sketch)
-            save_embeddings(self.out, s["shard"], e)
-            s["embedded"] = True
+            e = shard_embeddings(self.out, s.shard, s.seq_start, s.n_seqs, curv, sketch)
+            save_embeddings(self.out, s.shard, e)
+            s.embedded = True
             store.write_manifest(self.out, m)
         return sketch
 
     def _tables(self, total: ShardStats) -> None:
-        W = self.model.W.float()
-        P = self.model.head.prototypes.float()
-        with torch.no_grad():
-            sig = (P @ W.T).topk(10, dim=-1).indices  # (K, 10) top signature tokens of W p_i
+        sig = self.model.signatures(n=10)[1]  # (K, 10) top signature tokens of W p_i
         tok = self.tokenizer
 
         def text(i: int) -> str:
             return tok.decode([i])
 
-        K = P.shape[0]
+        K = self.model.cfg.n_prototypes
         count, mass = total.count.numpy(), total.mass.numpy()
         protos = pa.Table.from_pydict({
             "proto_id": np.arange(K), "n_tokens": count.astype(np.int64), "mass": mass,
@@ -204,9 +204,9 @@ class Indexer:
         t_start = time.perf_counter()
         self.out.mkdir(parents=True, exist_ok=True)
         m = self._open_manifest()
-        if m.get("complete"):
+        if m.complete and m.summary is not None:
             log.info("index already complete", extra={"index": str(self.out)})
-            return m["summary"]
+            return m.summary
         est_file = self.out / "estimate.json"
         if est_file.is_file():
             est = json.loads(est_file.read_text())
@@ -218,10 +218,10 @@ class Indexer:
             log.info("removed temporary files of an interrupted run", extra={"files": removed})
         self._plan(m)
         Q = self._basis(m)
-        pending = [s for s in m["shards"] if s["forward"] is None]
+        pending = [s for s in m.shards if s.forward is None]
         if pending:
-            log.info("indexing", extra={"shards_pending": len(pending), "shards": len(m["shards"]),
-                                        "tokens": sum(s["n_tokens"] for s in pending)})
+            log.info("indexing", extra={"shards_pending": len(pending), "shards": len(m.shards),
+                                        "tokens": sum(s.n_tokens for s in pending)})
         t0 = time.perf_counter()
         if pending and (workers or ray_address):
             from .distributed import run_on_ray
@@ -230,43 +230,43 @@ class Indexer:
         elif pending:
             self._forward_local(m, Q, pending)
         fwd_s = time.perf_counter() - t0
-        m["timings"]["forward_s"] = round(m["timings"].get("forward_s", 0) + fwd_s, 3)
+        m.timings["forward_s"] = round(m.timings.get("forward_s", 0) + fwd_s, 3)
         t0 = time.perf_counter()
         curv, total = self._reduce(m, Q)
         sketch = self._embed(m, curv)
-        n = build_faiss(self.out, [s["shard"] for s in m["shards"]], sketch.dim, self.cfg.faiss_spec,
+        n = build_faiss(self.out, [s.shard for s in m.shards], sketch.dim, self.cfg.faiss_spec,
                         self.cfg.faiss_train_size, self.cfg.seed)
         self._tables(total)
-        m["timings"]["finalize_s"] = round(time.perf_counter() - t0, 3)
-        m["timings"]["last_run_wall_s"] = round(time.perf_counter() - t_start, 3)
-        m["summary"] = self._summary(m, total, curv, n)
-        m["summary"]["peak_rss_bytes"] = peak_rss_bytes()
-        m["summary"]["estimate_vs_actual"] = compare(est, m["summary"], m["timings"]["last_run_wall_s"],
-                                                     m["summary"]["peak_rss_bytes"])
-        m["complete"] = True
+        m.timings["finalize_s"] = round(time.perf_counter() - t0, 3)
+        m.timings["last_run_wall_s"] = round(time.perf_counter() - t_start, 3)
+        summary = self._summary(m, total, curv, n)
+        summary["peak_rss_bytes"] = peak_rss_bytes()
+        summary["estimate_vs_actual"] = compare(est, summary, m.timings["last_run_wall_s"], summary["peak_rss_bytes"])
+        m.summary, m.complete = summary, True
         store.write_manifest(self.out, m)
-        return m["summary"]
+        return summary
 
-    def _summary(self, m: dict, total: ShardStats, curv: Curvature, n_faiss: int) -> dict[str, Any]:
+    def _summary(self, m: IndexManifest, total: ShardStats, curv: Curvature, n_faiss: int) -> dict[str, Any]:
         n_tok = int(total.scalars[0])
         tables = ("documents", "sequences", "activations", "token_grads", "stats", "embeddings")
         bytes_ = {t: store.dir_bytes(self.out / t) for t in tables}
         for f in ("prototypes.parquet", "vocab.parquet", "curvature.safetensors", "basis.safetensors", "faiss.index"):
             bytes_[f] = store.dir_bytes(self.out / f)
-        rows = sum(s["forward"]["activation_rows"] for s in m["shards"])
+        rows = sum(s.forward.activation_rows for s in m.shards if s.forward is not None)
         usage = usage_stats(total.mass)
-        plan = m["plan"]
+        plan = m.plan
+        assert plan is not None
         return {
-            "documents": plan["documents"], "sequences": plan["sequences"], "tokens": n_tok,
+            "documents": plan.documents, "sequences": plan.sequences, "tokens": n_tok,
             "activation_rows": rows, "faiss_vectors": n_faiss,
-            "bad_records": plan["corpus"]["bad_records"], "bad_by_reason": plan["corpus"]["bad_by_reason"],
+            "bad_records": plan.corpus["bad_records"], "bad_by_reason": plan.corpus["bad_by_reason"],
             "bytes": bytes_, "total_bytes": sum(bytes_.values()),
             "activation_bytes_per_token": bytes_["activations"] / max(n_tok, 1),
             "total_bytes_per_token": sum(bytes_.values()) / max(n_tok, 1),
             "mean_loss": float(total.scalars[1]) / max(n_tok, 1),
             "R1bar": float(total.max_cos.mean()), "R2": float(total.scalars[2]) / max(n_tok, 1),
             **usage, "damping": float(curv.damping),
-            "timings": m["timings"],
+            "timings": m.timings,
         }
 
 

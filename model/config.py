@@ -6,47 +6,25 @@ Every config is a frozen dataclass validated in ``__post_init__`` and serialised
 
 from __future__ import annotations
 
-import dataclasses
-from dataclasses import dataclass, field
-from typing import Any, Literal
+from dataclasses import dataclass
+from typing import Literal
 
-from prism_tda.errors import ConfigError
+from prism_tda.config import Config
+from prism_tda.config import check as _check
 
 HeadKind = Literal["prism", "dense"]
 ActScale = Literal["lsq", "none"]
 
 
-class _Config:
-    def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)  # type: ignore[call-overload]
-
-    @classmethod
-    def from_dict(cls, data: dict[str, Any], *, where: str = "config"):
-        names = {f.name for f in dataclasses.fields(cls)}  # type: ignore[arg-type]
-        unknown = sorted(set(data) - names)
-        if unknown:
-            raise ConfigError(f"{where}: unknown field(s) {unknown} for {cls.__name__}")
-        try:
-            return cls(**data)
-        except (TypeError, ConfigError) as e:
-            raise ConfigError(f"{where}: {e}") from e
-
-    def replace(self, **changes):
-        return dataclasses.replace(self, **changes)  # type: ignore[type-var]
-
-
-def _check(cond: bool, msg: str) -> None:
-    if not cond:
-        raise ConfigError(msg)
-
-
 @dataclass(frozen=True)
-class ModelConfig(_Config):
+class ModelConfig(Config):
     """Architecture of the decoder and its output head.
 
     ``head="prism"`` puts the prototype head of DESIGN §1 on the backbone;
     ``head="dense"`` is the baseline: same backbone, plain ``W z`` head, CE loss only.
     """
+
+    LEGACY_FIELDS = {"top_k": "n_active"}  # checkpoints written before the rename
 
     vocab_size: int = 4096
     block_size: int = 128
@@ -56,7 +34,7 @@ class ModelConfig(_Config):
     dropout: float = 0.0
     head: HeadKind = "prism"
     n_prototypes: int = 1024  # K
-    top_k: int = 8  # k, active prototypes per token
+    n_active: int = 8  # k, active prototypes per token (the top-k of the similarities)
     # Rescaling of the activations a = c_t * s_t: "lsq" picks the non-negative scalar c_t that
     # makes zhat the least-squares fit of z along the mixture direction; "none" keeps a = s.
     act_scale: ActScale = "lsq"
@@ -81,16 +59,18 @@ class ModelConfig(_Config):
         if self.head == "prism":
             _check(self.n_prototypes > 0, f"model.n_prototypes must be > 0, got {self.n_prototypes}")
             _check(
-                0 < self.top_k <= self.n_prototypes,
-                f"model.top_k must be in [1, n_prototypes={self.n_prototypes}], got {self.top_k}",
+                0 < self.n_active <= self.n_prototypes,
+                f"model.n_active must be in [1, n_prototypes={self.n_prototypes}], got {self.n_active}",
             )
         for name in ("lam_rec", "lam_r1", "lam_r2", "backbone_aux_scale"):
             _check(getattr(self, name) >= 0, f"model.{name} must be >= 0, got {getattr(self, name)}")
 
 
 @dataclass(frozen=True)
-class TrainConfig(_Config):
+class TrainConfig(Config):
     """Optimisation, schedule, evaluation and checkpointing of one training run."""
+
+    LEGACY_FIELDS = {"extra": None}  # an unused free-form field of older checkpoints
 
     seed: int = 1337
     batch_size: int = 16  # sequences per micro-batch per process
@@ -118,7 +98,6 @@ class TrainConfig(_Config):
     reseed_until: float = 0.8  # fraction of max_steps after which prototypes are left alone
     usage_ema: float = 0.9
     proto_init: Literal["data", "random"] = "data"  # data: on token states of the untrained model
-    extra: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         for name in ("batch_size", "grad_accum", "max_steps", "eval_every", "ckpt_every", "keep_checkpoints"):

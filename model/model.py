@@ -94,7 +94,7 @@ class PrototypeHead(nn.Module):
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
-        self.k = cfg.top_k
+        self.k = cfg.n_active
         self.act_scale = cfg.act_scale
         # Unit-norm rows: with Adam, a prototype's angular step is ~ lr * sqrt(d) / ||p||, so the
         # norm sets how fast prototypes can follow the token states (see docs/design.md).
@@ -290,6 +290,16 @@ class PRISM(nn.Module):
         return out
 
     @torch.no_grad()
+    def signatures(self, proto_ids: torch.Tensor | None = None, n: int = 10) -> tuple[torch.Tensor, torch.Tensor]:
+        """The ``n`` tokens each prototype's logit signature ``W p_i`` favours most: (values, token ids),
+        each (len(proto_ids) or K, n)."""
+        if self.head is None:
+            raise ValueError("signatures() needs a PRISM head; this is the dense baseline")
+        P = self.head.prototypes.float()
+        P = P if proto_ids is None else P[proto_ids]
+        return (P @ self.W.float().T).topk(min(n, self.cfg.vocab_size), dim=-1)  # (K', V) -> (K', n)
+
+    @torch.no_grad()
     def _suppressed(self, z: torch.Tensor, suppress: torch.Tensor) -> torch.Tensor:
         """z (B, T, d) minus the suppressed prototypes' part of its reconstruction."""
         assert self.head is not None
@@ -335,14 +345,15 @@ class PRISM(nn.Module):
         max_new_tokens: int,
         *,
         temperature: float = 0.0,
-        top_k: int | None = None,
+        sample_top_k: int | None = None,
         generator: torch.Generator | None = None,
         stop_token: int | None = None,
         suppress: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Greedy (temperature 0) or sampled continuation of idx (1, T); returns (1, T + n).
 
-        ``suppress``: prototype ids that contribute nothing to the logits (see :meth:`forward`).
+        ``sample_top_k``: sample from the most likely tokens only; ``suppress``: prototype ids that
+        contribute nothing to the logits (see :meth:`forward`).
         """
         for _ in range(max_new_tokens):
             ctx = idx[:, -self.cfg.block_size :]
@@ -351,8 +362,8 @@ class PRISM(nn.Module):
                 nxt = logits.argmax(-1, keepdim=True)
             else:
                 logits = logits / temperature
-                if top_k is not None:
-                    v, _ = torch.topk(logits, min(top_k, logits.size(-1)))
+                if sample_top_k is not None:
+                    v, _ = torch.topk(logits, min(sample_top_k, logits.size(-1)))
                     logits[logits < v[:, [-1]]] = -float("inf")
                 nxt = torch.multinomial(F.softmax(logits, dim=-1), 1, generator=generator)
             idx = torch.cat([idx, nxt], dim=1)

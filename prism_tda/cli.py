@@ -22,20 +22,20 @@ PRESETS: dict[str, dict[str, dict[str, Any]]] = {
     # The demo model: trains in a few minutes on 2 CPU cores.
     "tiny": {
         "model": {"vocab_size": 4096, "block_size": 128, "n_layer": 4, "n_head": 4, "d_model": 128,
-                  "n_prototypes": 512, "top_k": 8},
+                  "n_prototypes": 512, "n_active": 8},
         "train": {"batch_size": 16, "max_steps": 1000, "lr": 2e-3, "min_lr": 2e-4, "warmup_steps": 50,
                   "eval_every": 250, "ckpt_every": 250, "eval_tokens": 32768},
     },
     # The benchmark model of bench/train_throughput.py (d=256, K=1024, k=8).
     "small": {
         "model": {"vocab_size": 8192, "block_size": 128, "n_layer": 4, "n_head": 4, "d_model": 256,
-                  "n_prototypes": 1024, "top_k": 8},
+                  "n_prototypes": 1024, "n_active": 8},
         "train": {"batch_size": 16, "max_steps": 2000, "lr": 1e-3, "min_lr": 1e-4, "warmup_steps": 100},
     },
     # GPT-2-small scale, for a GPU.
     "gpt2-small": {
         "model": {"vocab_size": 32768, "block_size": 1024, "n_layer": 12, "n_head": 12, "d_model": 768,
-                  "n_prototypes": 8192, "top_k": 8},
+                  "n_prototypes": 8192, "n_active": 8},
         "train": {"batch_size": 16, "max_steps": 5000, "lr": 6e-4, "min_lr": 6e-5, "warmup_steps": 200},
     },
 }
@@ -103,35 +103,25 @@ def cmd_train(args: argparse.Namespace) -> int:
     return 0
 
 
-def _generate(checkpoint: str, prompts: list[str], max_new_tokens: int, temperature: float, top_k: int | None,
-              seed: int) -> list[str]:
-    import torch
-
+def _generate(checkpoint: str, prompts: list[str], max_new_tokens: int, temperature: float,
+              sample_top_k: int | None, seed: int) -> list[str]:
     from .model.checkpoint import load_checkpoint
-    from .model.tokenizer import eos_id
+    from .model.generate import generate
 
     model, tok, _ = load_checkpoint(checkpoint)
-    out = []
-    for prompt in prompts:
-        ids = tok.encode(prompt).ids or [eos_id(tok)]
-        x = torch.tensor([ids[-model.cfg.block_size:]])
-        g = torch.Generator().manual_seed(seed)
-        y = model.generate(x, max_new_tokens, temperature=temperature, top_k=top_k, generator=g,
-                           stop_token=eos_id(tok))
-        new = [i for i in y[0, x.shape[1]:].tolist() if i != eos_id(tok)]
-        out.append(tok.decode(new))
-    return out
+    return [generate(model, tok, tok.encode(prompt).ids, max_new_tokens, temperature=temperature,
+                     sample_top_k=sample_top_k, seed=seed).text for prompt in prompts]
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
     for prompt, text in zip(args.prompt, _generate(args.checkpoint, args.prompt, args.max_new_tokens,
-                                                     args.temperature, args.top_k, args.seed)):
+                                                     args.temperature, args.top_k, args.seed), strict=True):
         print(json.dumps({"prompt": prompt, "completion": text}) if args.json else prompt + text)
     return 0
 
 
 def cmd_index(args: argparse.Namespace) -> int:
-    from .indexer.config import IndexConfig
+    from .engine.layout import IndexConfig
     from .indexer.estimate import estimate, format_estimate
     from .indexer.run import Indexer
 
@@ -148,28 +138,21 @@ def cmd_index(args: argparse.Namespace) -> int:
 
 
 def cmd_attribute(args: argparse.Namespace) -> int:
-    import pyarrow.parquet as pq
+    import dataclasses
 
-    from .attribution import Attributor
+    from .engine import Attributor, QueryOptions, QuerySpec
 
     att = Attributor.open(args.index)
-    res = att.attribute(args.prompt, args.completion, max_new_tokens=args.max_new_tokens,
-                        target_index=args.target_index, top_k=args.top_k, mode=args.mode,
-                        opponents=args.opponents)
-    ids = [d["doc_id"] for d in res["documents"]]
-    docs = pq.read_table(Path(args.index) / "documents", filters=[("doc_id", "in", ids)] if ids else None,
-                         columns=["doc_id", "external_id", "text"]).to_pydict()
-    by_id = {d: (e, t) for d, e, t in zip(docs["doc_id"], docs["external_id"], docs["text"])}
-    for d in res["documents"]:
-        ext, text = by_id.get(d["doc_id"], ("?", ""))
-        d["external_id"], d["snippet"] = ext, text[:300]
+    res = att.attribute(QuerySpec(args.prompt, args.completion, args.max_new_tokens, args.target_index),
+                        QueryOptions(n_documents=args.top_k, mode=args.mode, opponents=args.opponents,
+                                     damping=args.damping, aggregation=args.aggregation))
     if args.json:
-        print(json.dumps(res, indent=2))
+        print(json.dumps(dataclasses.asdict(res), indent=2))
         return 0
-    print(f"target: {res['query']['target_text']!r}   ({res['mode']}, {res['timings_ms']['total']:.0f} ms)")
-    for rank, d in enumerate(res["documents"], 1):
-        snippet = " ".join(d["snippet"].split())[:110]
-        print(f"{rank:3d}. {d['score']:+.3f}  {d['external_id']:<22s} {snippet}")
+    print(f"target: {res.query.target_text!r}   ({res.mode}, {res.timings_ms.total:.0f} ms)")
+    for d in res.documents:
+        snippet = " ".join(d.snippet.split())[:110]
+        print(f"{d.rank:3d}. {d.score:+.3f}  {d.external_id:<22s} {snippet}")
     return 0
 
 
@@ -216,7 +199,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
     print("\nWhich training documents drove ' is a machine' after 'A computer'?")
     rc = cmd_attribute(argparse.Namespace(index=str(out / "index"), prompt="A computer", completion=" is a machine",
                                           max_new_tokens=None, target_index=None, top_k=5, mode="fast",
-                                          opponents=False, json=False))
+                                          opponents=False, damping=None, aggregation="cosine_max", json=False))
     if rc or args.no_serve:
         return rc
     print(f"\nServing the demo index on http://127.0.0.1:{args.port} (docs at /docs; Ctrl-C stops)", flush=True)
@@ -245,13 +228,13 @@ def _index_args(items: list[str]) -> dict[str, str]:
 
 def _check_index_dir(name: str, path: Path) -> None:
     """A clear one-line error for an index directory that cannot be served."""
-    from .indexer import store
+    from .engine import layout
 
     hint = f"build it with `prism index --checkpoint RUN --out {path}` (or `prism demo` for runs/demo/index)"
     if not path.is_dir():
         raise PrismError(f"--index {name}: {path} does not exist; {hint}")
-    m = store.read_manifest(path)
-    if m is None or not m.get("complete"):
+    m = layout.read_manifest(path)
+    if m is None or not m.complete:
         raise PrismError(f"--index {name}: {path} is not a complete index (manifest.json missing or incomplete); "
                          f"{hint}, or run the same `prism index` command again to finish it")
 
@@ -266,23 +249,31 @@ def cmd_serve(args: argparse.Namespace) -> int:
     indexes = _index_args(args.index)
     for name, path in indexes.items():
         _check_index_dir(name, Path(path))
-    env = {"PRISM_INDEXES": json.dumps(indexes), "PRISM_HOST": args.host,
-           "PRISM_PORT": str(args.port), "PRISM_WORKERS": str(args.workers),
-           "PRISM_LOG_LEVEL": args.log_level, "PRISM_LOG_FORMAT": args.log_format}
+    # the options override the PRISM_* environment; everything is validated here, once
+    given: dict[str, Any] = {"indexes": indexes, "host": args.host, "port": args.port, "workers": args.workers,
+                             "log_level": args.log_level, "log_format": args.log_format}
     if args.default_index:
-        env["PRISM_DEFAULT_INDEX"] = args.default_index
+        given["default_index"] = args.default_index
     if args.state_dir:
-        env["PRISM_STATE_DIR"] = str(Path(args.state_dir).resolve())
-    os.environ.update(env)  # the server processes read their settings from the environment
+        given["state_dir"] = Path(args.state_dir).resolve()
     try:
-        settings = Settings()
+        settings = Settings(**given)
         settings.check_serving()
     except ValidationError as e:
         raise ConfigError("; ".join(f"PRISM_{'.'.join(map(str, x['loc'])).upper()}: {x['msg']}"
                                     for x in e.errors())) from None
-    uvicorn.run("prism_tda.service.app:create_app_from_env", factory=True, host=args.host, port=args.port,
-                workers=args.workers, log_config=None, access_log=False,
-                timeout_graceful_shutdown=settings.graceful_shutdown_s)
+    run = {"host": settings.host, "port": settings.port, "log_config": None, "access_log": False,
+           "timeout_graceful_shutdown": settings.graceful_shutdown_s}
+    if settings.workers == 1:
+        from .service import create_app
+
+        uvicorn.run(create_app(settings), **run)
+        return 0
+    # uvicorn's worker processes import the app by name: the environment is their only channel
+    os.environ.update({"PRISM_INDEXES": json.dumps(indexes), "PRISM_STATE_DIR": str(settings.state_dir),
+                       "PRISM_LOG_LEVEL": settings.log_level, "PRISM_LOG_FORMAT": settings.log_format,
+                       **({"PRISM_DEFAULT_INDEX": settings.default_index} if settings.default_index else {})})
+    uvicorn.run("prism_tda.service.app:create_app_from_env", factory=True, workers=settings.workers, **run)
     return 0
 
 
@@ -381,7 +372,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--prompt", nargs="+", required=True)
     g.add_argument("--max-new-tokens", type=int, default=50)
     g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
-    g.add_argument("--top-k", type=int, default=None)
+    g.add_argument("--top-k", type=int, default=None, help="sample from the k most likely tokens only")
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--json", action="store_true", help="one JSON object per prompt")
     g.set_defaults(fn=cmd_generate)
@@ -413,10 +404,13 @@ def build_parser() -> argparse.ArgumentParser:
     tgt.add_argument("--completion", help="the output to attribute (the target tokens)")
     tgt.add_argument("--max-new-tokens", type=int, help="generate this many tokens greedily and attribute them")
     a.add_argument("--target-index", type=int, help="attribute only this target token (0-based)")
-    a.add_argument("--top-k", type=int, default=10)
+    a.add_argument("--top-k", type=int, default=10, help="documents to return")
     a.add_argument("--mode", choices=["fast", "exact"], default="fast",
                    help="fast: FAISS candidates + exact re-rank; exact: every token sharing a prototype")
     a.add_argument("--opponents", action="store_true", help="documents that most oppose the output")
+    a.add_argument("--damping", type=float, help="curvature damping, x the mean eigenvalue (default: the index's)")
+    a.add_argument("--aggregation", default="cosine_max", choices=["cosine_max", "cosine_sum", "raw_max", "raw_sum"],
+                   help="how a document's token scores make its score (default: the best token's cosine)")
     a.add_argument("--json", action="store_true")
     a.set_defaults(fn=cmd_attribute)
 

@@ -17,3 +17,11 @@ class CheckpointError(PrismError):
 
 class CorpusError(PrismError):
     """A corpus path cannot be read at all (bad records inside a readable file are counted instead)."""
+
+
+class QueryError(PrismError, ValueError):
+    """An attribution query is empty, or asks for a target or an option that does not exist."""
+
+
+class PromptTooLongError(QueryError):
+    """The prompt and its target do not fit the model's context."""

@@ -43,6 +43,18 @@ class Services:
         """Run blocking I/O (the state database) in a worker thread."""
         return await asyncio.to_thread(fn, *args, **kwargs)
 
+    def check_limits(self, *, where: str = "", top_k: int | None = None, max_new_tokens: int | None = None,
+                     n_items: tuple[str, int] | None = None) -> None:
+        """Refuse a request over the server's limits, naming the field (``where`` prefixes it)."""
+        s = self.settings
+        if top_k is not None and top_k > s.max_top_k:
+            raise problems.InvalidRequest(f"{where}top_k: {top_k} is over the server's limit of {s.max_top_k}")
+        if max_new_tokens is not None and max_new_tokens > s.max_new_tokens:
+            raise problems.InvalidRequest(f"{where}max_new_tokens: {max_new_tokens} is over the server's limit of "
+                                          f"{s.max_new_tokens}")
+        if n_items is not None and n_items[1] > s.max_batch_items:
+            raise problems.TooManyItems(f"{where}{n_items[0]}: {n_items[1]} items; the limit is {s.max_batch_items}")
+
 
 def get_services(request: Request) -> Services:
     services = getattr(request.app.state, "services", None)

@@ -22,10 +22,10 @@ from typing import Any
 
 import torch
 
-from prism_tda.attribution import Attributor
+from prism_tda.engine import Attribution, Attributor, QueryOptions, QuerySpec, layout
+from prism_tda.engine.layout import IndexManifest
 from prism_tda.errors import PrismError
-from prism_tda.indexer import store as index_store
-from prism_tda.model.tokenizer import eos_id
+from prism_tda.model.generate import Generation, generate
 
 from . import problems
 from .settings import Settings, parse_bytes
@@ -48,7 +48,6 @@ class LoadedIndex:
     def load(cls, name: str, index_dir: Path, settings: Settings) -> LoadedIndex:
         t0 = time.perf_counter()
         att = Attributor.open(index_dir)
-        att.model.eval()
         store = Store(index_dir)
         try:
             sql = SqlPool(index_dir, sql_limits(settings), settings.state_dir / "state.sqlite3")
@@ -62,8 +61,8 @@ class LoadedIndex:
 
     # ------------------------------------------------------------------------ facts
     @property
-    def context(self) -> int:
-        return self.attributor.model.cfg.block_size
+    def manifest(self) -> IndexManifest:
+        return self.attributor.manifest
 
     @property
     def n_prototypes(self) -> int:
@@ -71,33 +70,19 @@ class LoadedIndex:
 
     @property
     def n_documents(self) -> int:
-        return int(self.attributor.manifest["plan"]["documents"])
+        return self.manifest.documents
 
     def info(self) -> dict[str, Any]:
-        m = self.attributor.manifest
-        return {"name": self.name, "documents": self.n_documents, "sequences": int(m["plan"]["sequences"]),
-                "tokens": int(m["plan"]["tokens"]), "prototypes": self.n_prototypes, "context": self.context,
+        plan = self.manifest.plan
+        assert plan is not None  # a complete index has been planned
+        return {"name": self.name, "documents": plan.documents, "sequences": plan.sequences, "tokens": plan.tokens,
+                "prototypes": self.n_prototypes, "context": self.attributor.encoder.context,
                 "vocab_size": self.attributor.model.cfg.vocab_size, "tables": self.store.tables}
 
     # ------------------------------------------------------------------------ checks
-    def n_tokens(self, text: str) -> int:
-        return len(self.attributor.tokenizer.encode(text).ids)
-
-    def check_prompt(self, prompt: str, completion: str | None = None, max_new_tokens: int | None = None) -> None:
-        """Refuse, before any work, a query that cannot fit the model's context: the prompt and its
-        completion (or the most tokens generation may add) must take at most context + 1 tokens."""
-        n = self.n_tokens(prompt)
-        if n == 0:
-            raise problems.InvalidQuery("prompt: is empty (no tokens)")
-        if n > self.context:
-            raise problems.PromptTooLong(f"prompt: {n} tokens; the model's context is {self.context}")
-        if completion is not None and n + self.n_tokens(completion) > self.context + 1:
-            raise problems.PromptTooLong(f"prompt + completion: {n + self.n_tokens(completion)} tokens; the "
-                                         f"model's context is {self.context}")
-        if max_new_tokens is not None and n + max_new_tokens > self.context + 1:
-            raise problems.PromptTooLong(f"prompt + max_new_tokens: {n} + {max_new_tokens} tokens; the model's "
-                                         f"context is {self.context} (at most {self.context + 1 - n} new tokens "
-                                         "for this prompt)")
+    def check_query(self, spec: QuerySpec) -> None:
+        """Refuse a query that cannot succeed before any work (QueryError -> 422)."""
+        self.attributor.encoder.check(spec)
 
     def check_prototypes(self, ids: list[int], field: str) -> None:
         bad = [i for i in ids if not 0 <= i < self.n_prototypes]
@@ -106,37 +91,16 @@ class LoadedIndex:
                                             f"[0, {self.n_prototypes})")
 
     # ------------------------------------------------------------------------ work
-    def attribute(self, prompt: str, completion: str | None, *, max_new_tokens: int | None,
-                  target_index: int | None, top_k: int, mode: str, n_candidates: int,
-                  opponents: bool) -> dict[str, Any]:
-        self.check_prompt(prompt, completion, max_new_tokens)
-        res = self.attributor.attribute(prompt, completion, max_new_tokens=max_new_tokens,
-                                        target_index=target_index, top_k=top_k, mode=mode,
-                                        n_candidates=n_candidates, opponents=opponents)
-        missing = [d["doc_id"] for d in res["documents"] if "external_id" not in d or "snippet" not in d]
-        if missing:  # older engines return bare ids: fill the document fields from the store
-            docs = self.store.documents(missing)
-            for d in res["documents"]:
-                doc = docs.get(d["doc_id"], {})
-                d.setdefault("external_id", doc.get("external_id"))
-                d.setdefault("snippet", (doc.get("text") or "")[:300])
-        return res
+    def attribute(self, spec: QuerySpec, options: QueryOptions) -> Attribution:
+        return self.attributor.attribute(spec, options)
 
-    def generate(self, prompt: str, *, max_new_tokens: int, temperature: float, top_k: int | None, seed: int,
-                 suppress: list[int]) -> dict[str, Any]:
-        self.check_prompt(prompt)
-        tok, model = self.attributor.tokenizer, self.attributor.model
-        ids = tok.encode(prompt).ids
-        x = torch.tensor([ids])
-        g = torch.Generator().manual_seed(seed)
-        sup = torch.tensor(sorted(set(suppress)), dtype=torch.long) if suppress else None
-        eos = eos_id(tok)
-        temperature = temperature if temperature >= 1e-3 else 0.0  # 1/temperature must stay finite
-        y = model.generate(x, max_new_tokens, temperature=temperature, top_k=top_k, generator=g, stop_token=eos,
-                           suppress=sup)
-        new = y[0, x.shape[1]:].tolist()
-        return {"completion": tok.decode([i for i in new if i != eos]), "token_ids": new,
-                "n_prompt_tokens": len(ids), "stopped": bool(new and new[-1] == eos)}
+    def generate(self, prompt: str, *, max_new_tokens: int, temperature: float, sample_top_k: int | None,
+                 seed: int, suppress: list[int]) -> tuple[Generation, int]:
+        """A continuation of ``prompt`` and the prompt's length in tokens."""
+        tokens = self.attributor.encoder.check(QuerySpec(prompt))
+        gen = generate(self.attributor.model, self.attributor.tokenizer, tokens.prompt, max_new_tokens,
+                       temperature=temperature, sample_top_k=sample_top_k, seed=seed, suppress=suppress)
+        return gen, len(tokens.prompt)
 
     def prototype(self, proto_id: int, n_contexts: int, n_signature: int) -> dict[str, Any]:
         if not 0 <= proto_id < self.n_prototypes:
@@ -146,11 +110,9 @@ class LoadedIndex:
         if row is None:
             raise problems.PrototypeNotFound(f"prototype {proto_id} has no row in index {self.name!r}")
         model, tok = self.attributor.model, self.attributor.tokenizer
-        with torch.no_grad():
-            sig = model.W.float() @ model.head.prototypes[proto_id].float()  # (V,) the token-logit signature
-            vals, idx = sig.topk(n_signature)
+        vals, idx = model.signatures(torch.tensor([proto_id]), n_signature)
         signature = [{"token_id": int(i), "token": tok.decode([int(i)]), "logit": float(v)}
-                     for v, i in zip(vals, idx)]
+                     for v, i in zip(vals[0], idx[0], strict=True)]
         contexts = []
         for c in self.store.top_contexts(proto_id, n_contexts) if n_contexts else []:
             ids, pos = c["token_ids"], c["pos"]
@@ -198,12 +160,12 @@ def read_identity(index_dir: Path) -> dict[str, Any]:
     if not index_dir.is_dir():
         raise InvalidIndex(f"dir: {index_dir} is not a directory")
     try:
-        m = index_store.read_manifest(index_dir)
+        m = layout.read_manifest(index_dir)
     except (OSError, ValueError, PrismError) as e:
         raise InvalidIndex(f"dir: {index_dir}/manifest.json cannot be read: {e}") from None
-    if m is None or not m.get("complete"):
+    if m is None or not m.complete:
         raise InvalidIndex(f"dir: {index_dir} is not a complete index (manifest.json missing or incomplete)")
-    return dict(m.get("identity") or {})
+    return dict(m.identity)
 
 
 class Registry:
@@ -239,7 +201,7 @@ class Registry:
             old = self.get(name)
             target = Path(new_dir) if new_dir is not None else old.dir
             target = target if target.is_absolute() else Path.cwd() / target
-            served = {k: old.attributor.manifest["identity"].get(k) for k in SWAP_IDENTITY}
+            served = {k: old.manifest.identity.get(k) for k in SWAP_IDENTITY}
             ident = read_identity(target)
             diff = {k: (served[k], ident.get(k)) for k in SWAP_IDENTITY if ident.get(k) != served[k]}
             if diff:

@@ -16,8 +16,7 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel, Field
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from prism_tda.attribution import QueryError
-from prism_tda.errors import PrismError
+from prism_tda.errors import PrismError, PromptTooLongError, QueryError
 
 from .context import request_id
 
@@ -133,7 +132,7 @@ async def _on_error(request: Request, exc: Exception) -> JSONResponse:
         detail = "; ".join(f"{i['field']}: {i['message']}" for i in items)
         return error_response(InvalidRequest(detail, errors=items), request)
     if isinstance(exc, QueryError):
-        return error_response(InvalidQuery(str(exc)), request)
+        return error_response(from_query_error(exc), request)
     if isinstance(exc, StarletteHTTPException):
         if exc.status_code == 404:
             return error_response(RouteNotFound(f"no endpoint at {request.url.path}"), request)
@@ -154,6 +153,12 @@ def internal_error(exc: BaseException, request: Request | None, path: str | None
     return problem_response(500, "internal-error", "Internal server error",
                             "the server failed to answer this request; the log has the details", request,
                             path=path)
+
+
+def from_query_error(exc: QueryError, *, where: str = "") -> ServiceError:
+    """The problem for the engine's refusal of a query (``where`` prefixes the field it names)."""
+    kind = PromptTooLong if isinstance(exc, PromptTooLongError) else InvalidQuery
+    return kind(where + str(exc))
 
 
 def install(app: FastAPI) -> None:

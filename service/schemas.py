@@ -6,6 +6,17 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StringConstraints, model_validator
 
+from prism_tda.engine.types import (
+    Aggregation,
+    Mode,
+    QueryInfo,
+    QueryOptions,
+    QuerySpec,
+    ScoredDocument,
+    Timings,
+    TokenView,
+)
+
 IndexName = Annotated[str | None, Field(None, max_length=200, description="Index to use (default: the server's "
                                                                           "default index).")]
 Prompt = Annotated[str, Field(min_length=1, max_length=20_000, description="The prompt text.")]
@@ -28,10 +39,22 @@ class AttributeRequest(Strict):
                                                                         "and attribute them (no `completion`).")
     target_index: int | None = Field(None, ge=0, le=100_000, description="Attribute only this target token.")
     top_k: int = Field(10, ge=1, le=1000, description="Documents to return (at most the server's max_top_k).")
-    mode: Literal["fast", "exact"] = Field("fast", description="fast: FAISS and posting-list candidates + exact "
-                                                               "re-rank; exact: every training token sharing a prototype.")
+    mode: Mode = Field("fast", description="fast: FAISS and posting-list candidates + exact re-rank; exact: every "
+                                           "training token sharing a prototype.")
     n_candidates: int = Field(256, ge=1, le=16_384, description="Candidate sequences the fast path asks FAISS for.")
     opponents: bool = Field(False, description="Return the documents that most oppose the output.")
+    damping: float | None = Field(None, gt=0, le=1e6, description="Curvature damping, x the mean curvature "
+                                                                  "eigenvalue (default: the index's).")
+    aggregation: Aggregation = Field("cosine_max", description="How a document's token scores make its score: "
+                                                               "the best token's cosine (default), the sum of "
+                                                               "cosines, or the best or summed raw influence.")
+
+    def spec(self) -> QuerySpec:
+        return QuerySpec(self.prompt, self.completion, self.max_new_tokens, self.target_index)
+
+    def options(self) -> QueryOptions:
+        return QueryOptions(n_documents=self.top_k, mode=self.mode, n_candidates=self.n_candidates,
+                            opponents=self.opponents, damping=self.damping, aggregation=self.aggregation)
 
     @model_validator(mode="after")
     def _one_target(self) -> AttributeRequest:
@@ -40,62 +63,18 @@ class AttributeRequest(Strict):
         return self
 
 
-class Highlight(BaseModel):
-    start: int = Field(description="Start offset (characters) into the snippet.")
-    end: int = Field(description="End offset (characters, exclusive).")
-    text: str
-    weight: float
-
-
-class ProtoShare(BaseModel):
-    proto_id: int
-    share: float = Field(description="The prototype's share of the document's score.")
-
-
-class AttributedDocument(BaseModel):
-    model_config = ConfigDict(extra="allow")
-    rank: int
-    doc_id: int
-    score: float = Field(description="Cosine of preconditioned prototype-space gradients (best token).")
-    raw_influence: float | None = None
-    seq_id: int | None = None
-    token_row: int | None = None
-    external_id: str | None = Field(None, description="The document's id in the training corpus.")
-    snippet: str | None = None
-    highlights: list[Highlight] = Field(default_factory=list)
-    prototypes: list[ProtoShare] = Field(default_factory=list)
-
-
-class TokenPrototype(BaseModel):
-    proto_id: int
-    act: float
-    contribution: float = Field(description="a_{t,i} (W p_i)_y: the prototype's part of the token's logit.")
-
-
-class TokenView(BaseModel):
-    position: int
-    token_id: int
-    token: str
-    logit: float
-    residual: float = Field(description="(W r_t)_y: the residual's part of the logit.")
-    prototypes: list[TokenPrototype]
-
-
-class QueryInfo(BaseModel):
-    token_ids: list[int]
-    n_prompt: int
-    target_ids: list[int]
-    target_text: str
-
-
 class AttributeResponse(BaseModel):
+    """The engine's answer (``prism_tda.engine.Attribution``) and the index that gave it."""
+
     index: str
-    mode: str
+    mode: Mode
+    aggregation: Aggregation
+    damping: float = Field(description="The damping used, x the mean curvature eigenvalue.")
     query: QueryInfo
-    documents: list[AttributedDocument]
+    documents: list[ScoredDocument]
     per_token: list[TokenView]
-    timings_ms: dict[str, float]
-    rows_scored: int
+    timings_ms: Timings
+    rows_scored: int = Field(description="Training activation rows scored.")
 
 
 # ---------------------------------------------------------------------------- generate
@@ -106,7 +85,8 @@ class GenerateRequest(Strict):
                                        "server's max_new_tokens; default 32 or that limit when lower).")
     temperature: float = Field(0.0, ge=0.0, le=10.0, description="0: greedy; below 0.001 counts as greedy "
                                                                   "(dividing by it would overflow).")
-    top_k: int | None = Field(None, ge=1, le=100_000, description="Sample from the top-k tokens only.")
+    top_k: int | None = Field(None, ge=1, le=100_000, description="Sample from the top-k tokens only (a sampling "
+                                                                  "cut-off, not the documents' top_k).")
     seed: int = Field(0, ge=0, le=2**63 - 1)
     suppress: list[ProtoId] | SetName | None = Field(
         None, description="Prototypes that contribute nothing to the logits: a list of ids, or the name of "
@@ -137,12 +117,15 @@ class AuditItemIn(Strict):
             raise ValueError("give either completion or max_new_tokens, not both")
         return self
 
+    def spec(self) -> QuerySpec:
+        return QuerySpec(self.prompt, self.completion, self.max_new_tokens)
+
 
 class AuditRequest(Strict):
     index: IndexName
     items: list[AuditItemIn] = Field(min_length=1, description="The (prompt, output) pairs to attribute.")
     top_k: int = Field(10, ge=1, le=1000)
-    mode: Literal["fast", "exact"] = "fast"
+    mode: Mode = "fast"
     n_candidates: int = Field(256, ge=1, le=16_384)
     flag: SetName | None = Field(None, description="Name of a prototype set: items whose target tokens used any "
                                                    "of its prototypes are flagged.")

@@ -13,6 +13,7 @@ import os
 import threading
 from typing import Any
 
+from prism_tda.engine import Attribution, QueryOptions, QuerySpec
 from prism_tda.errors import PrismError
 
 from .indexes import Registry
@@ -22,12 +23,12 @@ from .state import StateDB
 log = logging.getLogger("prism.service.audits")
 
 
-def outcome(res: dict[str, Any], flag: set[int]) -> dict[str, Any]:
+def outcome(res: Attribution, flag: set[int]) -> dict[str, Any]:
     """An item's stored result: target, prototypes used by the target tokens, the flagged ones, documents."""
-    used = sorted({p["proto_id"] for t in res["per_token"] for p in t["prototypes"] if p["act"] > 0})
-    docs = [{k: d.get(k) for k in ("doc_id", "score", "raw_influence", "seq_id", "external_id")}
-            for d in res["documents"]]
-    return {"target_text": res["query"]["target_text"], "used_prototypes": used,
+    used = sorted({p.proto_id for t in res.per_token for p in t.prototypes if p.act > 0})
+    docs = [{"doc_id": d.doc_id, "score": d.score, "raw_influence": d.raw_influence, "seq_id": d.seq_id,
+             "external_id": d.external_id} for d in res.documents]
+    return {"target_text": res.query.target_text, "used_prototypes": used,
             "flagged_prototypes": [p for p in used if p in flag], "documents": docs}
 
 
@@ -99,9 +100,8 @@ class AuditWorker:
         ix = self.registry.get(item["index_name"])
         error, result = None, None
         try:
-            res = ix.attribute(item["prompt"], item["completion"], max_new_tokens=item["max_new_tokens"],
-                               target_index=None, top_k=p["top_k"], mode=p["mode"], n_candidates=p["n_candidates"],
-                               opponents=False)
+            res = ix.attribute(QuerySpec(item["prompt"], item["completion"], item["max_new_tokens"]),
+                               QueryOptions(n_documents=p["top_k"], mode=p["mode"], n_candidates=p["n_candidates"]))
             result = outcome(res, set(item["flag_prototypes"] or []))
         except PrismError as e:
             error = str(e)

@@ -52,7 +52,7 @@ def tiny_tokenizer(tiny_corpus, tmp_path_factory) -> Path:
 
 
 def tiny_model_cfg(**kw) -> ModelConfig:
-    base = dict(vocab_size=400, block_size=32, n_layer=2, n_head=2, d_model=32, n_prototypes=32, top_k=4)
+    base = dict(vocab_size=400, block_size=32, n_layer=2, n_head=2, d_model=32, n_prototypes=32, n_active=4)
     base.update(kw)
     return ModelConfig(**base)
 

@@ -33,7 +33,7 @@ def test_config_overrides_and_errors(tmp_path):
 
 def test_train_then_generate(tmp_path, tiny_corpus, tiny_tokenizer, capsys):
     sets = ["model.vocab_size=400", "model.block_size=32", "model.n_layer=1", "model.n_head=2", "model.d_model=32",
-            "model.n_prototypes=16", "model.top_k=4", "train.max_steps=4", "train.batch_size=4",
+            "model.n_prototypes=16", "model.n_active=4", "train.max_steps=4", "train.batch_size=4",
             "train.eval_tokens=512", "train.eval_every=2"]
     args = ["train", "--corpus", str(tiny_corpus), "--out", str(tmp_path / "run"), "--tokenizer",
             str(tiny_tokenizer), "--no-progress"]

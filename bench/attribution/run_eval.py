@@ -48,7 +48,7 @@ from prism_tda.corpus import is_validation  # noqa: E402
 
 # the evaluation model: small enough to retrain many times on 2 cores
 MODEL = ["model.vocab_size=2048", "model.block_size=64", "model.n_layer=2", "model.n_head=4",
-         "model.d_model=128", "model.n_prototypes=256", "model.top_k=8", "train.eval_every=100000",
+         "model.d_model=128", "model.n_prototypes=256", "model.n_active=8", "train.eval_every=100000",
          "train.ckpt_every=100000", "train.warmup_steps=30"]
 # PRISM as served (cosine, best token per document), and other aggregations of its exact token scores
 PRISM_VARIANTS = ["prism_exact_cosine_sum", "prism_exact_raw_sum", "prism_exact_raw_max"]

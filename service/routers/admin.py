@@ -42,8 +42,7 @@ class ReloadResponse(BaseModel):
 
 
 def _version(ix: LoadedIndex) -> IndexVersion:
-    m = ix.attributor.manifest
-    return IndexVersion(dir=str(ix.dir), corpus_fingerprint=m.get("identity", {}).get("corpus_fingerprint"),
+    return IndexVersion(dir=str(ix.dir), corpus_fingerprint=ix.manifest.identity.get("corpus_fingerprint"),
                         documents=ix.n_documents)
 
 
@@ -60,6 +59,6 @@ async def reload_index(name: Annotated[str, Path(max_length=200, description="Th
     services.registry.get(name)
     old, new = await anyio.to_thread.run_sync(services.registry.swap, name, body.dir if body else None)
     services.metrics.index_load_seconds.labels(name).set(new.load_seconds)
-    return ReloadResponse(index=name, checkpoint_sha256=new.attributor.manifest["identity"]["checkpoint_sha256"],
+    return ReloadResponse(index=name, checkpoint_sha256=new.manifest.identity["checkpoint_sha256"],
                           previous=_version(old), current=_version(new), load_seconds=round(new.load_seconds, 3),
                           pid=os.getpid())

@@ -9,6 +9,8 @@ from typing import Annotated, Any, Literal
 import pyarrow.parquet as pq
 from fastapi import APIRouter, Header, Path, Query, Response
 
+from prism_tda.errors import QueryError
+
 from .. import problems as p
 from ..deps import PrincipalDep, Services, ServicesDep
 from ..schemas import AuditItemOut, AuditItems, AuditJob, AuditRequest
@@ -54,11 +56,8 @@ async def create_audit(body: AuditRequest, services: ServicesDep, principal: Pri
     """Submit a batch of (prompt, output) items. The job and its items are stored before the answer
     (202); the background worker attributes them; poll GET /v1/audits/{audit_id} for progress."""
     ix = services.registry.get(body.index)
-    s = services.settings
-    if len(body.items) > s.max_batch_items:
-        raise p.TooManyItems(f"items: {len(body.items)} items; the limit is {s.max_batch_items}")
-    if body.top_k > s.max_top_k:
-        raise p.InvalidRequest(f"top_k: {body.top_k} is over the server's limit of {s.max_top_k}")
+    services.check_limits(top_k=body.top_k, n_items=("items", len(body.items)))
+    services.check_limits(n_items=("flag_prototypes", len(body.flag_prototypes or [])))
     sets: dict[str, list[int]] = {}
 
     async def resolve(name: str, field: str) -> list[int]:
@@ -69,19 +68,15 @@ async def create_audit(body: AuditRequest, services: ServicesDep, principal: Pri
             sets[name] = found["prototypes"]
         return sets[name]
 
-    if len(body.flag_prototypes or []) > s.max_batch_items:
-        raise p.TooManyItems(f"flag_prototypes: {len(body.flag_prototypes or [])} ids; the limit is "
-                             f"{s.max_batch_items}")
     ix.check_prototypes(body.flag_prototypes or [], "flag_prototypes")
     job_flag = sorted(set(body.flag_prototypes or []) | set(await resolve(body.flag, "flag") if body.flag else []))
     items = []
     for n, it in enumerate(body.items):
-        if it.max_new_tokens is not None and it.max_new_tokens > s.max_new_tokens:
-            raise p.InvalidRequest(f"items[{n}].max_new_tokens: over the server's limit of {s.max_new_tokens}")
+        services.check_limits(where=f"items[{n}].", max_new_tokens=it.max_new_tokens)
         try:
-            ix.check_prompt(it.prompt, it.completion, it.max_new_tokens)
-        except p.ServiceError as e:
-            raise type(e)(f"items[{n}].{e.detail}") from None
+            ix.check_query(it.spec())
+        except QueryError as e:
+            raise p.from_query_error(e, where=f"items[{n}].") from None
         flag = await resolve(it.flag, f"items[{n}].flag") if it.flag else job_flag
         items.append({"id": it.id, "prompt": it.prompt, "completion": it.completion,
                       "max_new_tokens": it.max_new_tokens, "flag_set": it.flag or body.flag, "flag_prototypes": flag})

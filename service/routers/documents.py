@@ -16,8 +16,7 @@ router = APIRouter(prefix="/documents", tags=["documents"])
 
 async def _batch(services: Services, index: str | None, ids: list[int]) -> DocumentBatch:
     ix = services.registry.get(index)
-    if len(ids) > services.settings.max_batch_items:
-        raise p.TooManyItems(f"ids: {len(ids)} ids; the limit is {services.settings.max_batch_items}")
+    services.check_limits(n_items=("ids", len(ids)))
     found = await services.run(ix, ix.store.documents, ids)
     uniq = list(dict.fromkeys(ids))
     return DocumentBatch(index=ix.name, documents=[Document(**found[i]) for i in uniq if i in found],

@@ -18,11 +18,8 @@ async def generate(body: GenerateRequest, services: ServicesDep) -> GenerateResp
     """Continue a prompt. `suppress` (prototype ids, or a stored set's name) zeroes those prototypes'
     activations, so they contribute nothing to the logits (the active sets and residual stay as they are)."""
     ix = services.registry.get(body.index)
-    limit = services.settings.max_new_tokens
-    n_new = min(32, limit) if body.max_new_tokens is None else body.max_new_tokens
-    if n_new > limit:
-        raise p.InvalidRequest(f"max_new_tokens: {body.max_new_tokens} is over the server's limit of "
-                               f"{services.settings.max_new_tokens}")
+    n_new = min(32, services.settings.max_new_tokens) if body.max_new_tokens is None else body.max_new_tokens
+    services.check_limits(max_new_tokens=n_new)
     set_name = body.suppress if isinstance(body.suppress, str) else None
     if set_name is not None:
         found = await services.io(services.state.get_set, ix.name, set_name)
@@ -31,9 +28,10 @@ async def generate(body: GenerateRequest, services: ServicesDep) -> GenerateResp
         ids = found["prototypes"]
     else:
         ids = list(body.suppress or [])
-        if len(ids) > services.settings.max_batch_items:
-            raise p.TooManyItems(f"suppress: {len(ids)} ids; the limit is {services.settings.max_batch_items}")
+        services.check_limits(n_items=("suppress", len(ids)))
         ix.check_prototypes(ids, "suppress")
-    out = await services.run(ix, ix.generate, body.prompt, max_new_tokens=n_new,
-                             temperature=body.temperature, top_k=body.top_k, seed=body.seed, suppress=ids)
-    return GenerateResponse(index=ix.name, suppressed=sorted(set(ids)), suppress_set=set_name, **out)
+    gen, n_prompt = await services.run(ix, ix.generate, body.prompt, max_new_tokens=n_new,
+                                       temperature=body.temperature, sample_top_k=body.top_k, seed=body.seed,
+                                       suppress=ids)
+    return GenerateResponse(index=ix.name, completion=gen.text, token_ids=gen.token_ids, n_prompt_tokens=n_prompt,
+                            stopped=gen.stopped, suppressed=sorted(set(ids)), suppress_set=set_name)

@@ -68,9 +68,7 @@ async def put_prototype_set(name: Annotated[SetName, Path()], body: PrototypeSet
                             services: ServicesDep) -> PrototypeSet:
     """Create or replace a named prototype set."""
     ix = services.registry.get(body.index)
-    if len(body.prototypes) > services.settings.max_batch_items:
-        raise p.TooManyItems(f"prototypes: {len(body.prototypes)} ids; the limit is "
-                             f"{services.settings.max_batch_items}")
+    services.check_limits(n_items=("prototypes", len(body.prototypes)))
     ix.check_prototypes(body.prototypes, "prototypes")
     return PrototypeSet(**await services.io(services.state.put_set, ix.name, name, body.prototypes, body.description))
 

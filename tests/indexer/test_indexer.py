@@ -16,9 +16,11 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from prism_tda.indexer import store
-from prism_tda.indexer.curvature import Curvature
-from prism_tda.indexer.embed import Sketch, normalise, open_faiss, shard_embeddings
+from prism_tda.engine import layout as store
+from prism_tda.engine.curvature import Curvature
+from prism_tda.engine.reader import open_faiss
+from prism_tda.engine.sketch import Sketch, normalise
+from prism_tda.indexer.embed import shard_embeddings
 from prism_tda.indexer.forward import ShardStats
 from prism_tda.indexer.run import Indexer, IndexMismatchError, build_index
 from prism_tda.model import checkpoint as ckpt
@@ -38,7 +40,7 @@ def test_tables_have_the_declared_schemas_and_order(index, tiny_ckpt):
     model, tok, _ = ckpt.load_checkpoint(tiny_ckpt)
     sch = store.schemas(model.cfg.vocab_size, model.cfg.n_prototypes, model.cfg.d_model)
     m = store.read_manifest(index)
-    assert m["complete"] and len(m["shards"]) == 4 and all(s["forward"] for s in m["shards"])
+    assert m.complete and len(m.shards) == 4 and all(s.forward for s in m.shards)
     for name in TABLES:
         for f in sorted((index / name).glob("part-*.parquet")):
             assert pq.read_schema(f).remove_metadata() == sch[name], (name, f)
@@ -56,7 +58,7 @@ def test_tables_have_the_declared_schemas_and_order(index, tiny_ckpt):
     assert (np.diff(gkey) > 0).all()
     seqs = _read(index, "sequences")
     assert seqs["seq_id"].to_pylist() == list(range(seqs.num_rows))
-    assert len(gkey) == sum(seqs["n_tokens"].to_pylist()) == m["summary"]["tokens"]
+    assert len(gkey) == sum(seqs["n_tokens"].to_pylist()) == m.summary["tokens"]
     docs = _read(index, "documents")
     assert docs.num_rows == 600 and docs["doc_id"].to_pylist() == list(range(600))
     assert len(pq.read_table(index / "vocab.parquet")) == tok.get_vocab_size()
@@ -64,7 +66,7 @@ def test_tables_have_the_declared_schemas_and_order(index, tiny_ckpt):
 
 def test_activation_rows_are_exactly_the_models_active_sets(index, tiny_ckpt):
     model, _, _ = ckpt.load_checkpoint(tiny_ckpt)
-    k = model.cfg.top_k
+    k = model.cfg.n_active
     seqs = _read(index, "sequences").to_pydict()
     acts = _read(index, "activations").to_pydict()
     rows: dict[tuple[int, int], dict[int, float]] = {}
@@ -130,16 +132,16 @@ def test_sigkill_mid_run_then_resume_gives_the_same_index(index, tiny_ckpt, tiny
     done_at_kill = None
     while time.time() < deadline and proc.poll() is None:
         m = store.read_manifest(out) if (out / store.MANIFEST).is_file() else None
-        if m and any(s["forward"] for s in m["shards"]):
+        if m and any(s.forward for s in m.shards):
             proc.send_signal(signal.SIGKILL)
-            done_at_kill = sum(1 for s in m["shards"] if s["forward"])
+            done_at_kill = sum(1 for s in m.shards if s.forward)
             break
         time.sleep(0.01)
     proc.wait(timeout=30)
     assert proc.returncode == -signal.SIGKILL, "the run finished before it could be killed"
     assert done_at_kill is not None and done_at_kill < 4
     m = store.read_manifest(out)
-    assert not m["complete"]
+    assert not m.complete
     rerun = subprocess.run(cmd, capture_output=True, text=True, env=dict(os.environ, PYTHONPATH=str(REPO)),
                            timeout=300)
     assert rerun.returncode == 0, rerun.stderr[-2000:]
@@ -166,7 +168,7 @@ def test_rerun_refuses_another_model_or_config(index, tiny_ckpt, tiny_corpus, ti
     with pytest.raises(IndexMismatchError, match="checkpoint_sha256"):
         build_index(other, [tiny_corpus], index, _cfg(), progress=False)
     # the same inputs: nothing to do, same summary
-    assert build_index(tiny_ckpt, [tiny_corpus], index, _cfg(), progress=False) == store.read_manifest(index)["summary"]
+    assert build_index(tiny_ckpt, [tiny_corpus], index, _cfg(), progress=False) == store.read_manifest(index).summary
 
 
 def test_bad_inputs_are_counted_and_reported(tiny_ckpt, tmp_path, tiny_corpus):
@@ -190,7 +192,7 @@ def test_bad_inputs_are_counted_and_reported(tiny_ckpt, tmp_path, tiny_corpus):
     seqs = _read(out, "sequences").to_pydict()
     n_long = sum(1 for x in seqs["doc_id"] if x == docs["external_id"].index("long"))
     assert n_long == -(-long_tokens // 32) and long_tokens > 1000
-    examples = store.read_manifest(out)["plan"]["corpus"]["bad_examples"]
+    examples = store.read_manifest(out).plan.corpus["bad_examples"]
     assert {"file": str(d / "a.jsonl"), "row": 3, "reason": "invalid_json"}.items() <= examples[2].items()
 
 
@@ -199,7 +201,7 @@ def test_dry_run_estimate_is_close(index, tiny_ckpt, tiny_corpus):
     from prism_tda.indexer.estimate import estimate
 
     est = estimate(ix)
-    s = store.read_manifest(index)["summary"]
+    s = store.read_manifest(index).summary
     assert est["tokens"] == s["tokens"] and est["sequences"] == s["faiss_vectors"]
     assert not (index / "unused").exists()
     for table in ("activations", "token_grads", "embeddings"):
@@ -226,7 +228,7 @@ def test_sketch_inner_products_estimate_preconditioned_influence(index):
     # with an identity projection and one bucket per prototype the sketch is exact: checks the math
     ident = Sketch(32, u.shape[1], u.shape[1], 32, seed=1)
     ident.R, ident.bucket, ident.sign = torch.eye(u.shape[1]), torch.arange(32), torch.ones(32)
-    n0 = store.read_manifest(index)["shards"][0]["n_seqs"]
+    n0 = store.read_manifest(index).shards[0].n_seqs
     ew = shard_embeddings(index, 0, 0, n0, curv, ident)[:n]
     np.testing.assert_allclose(ew @ ew.T, exact, rtol=1e-3, atol=1e-3 * np.abs(exact).max())
     # the index's own narrow sketch (r=16, 8 buckets) is a noisier estimate of the same quantity

@@ -47,7 +47,7 @@ def test_decompose_adds_up_to_the_chosen_logit():
 
 
 def test_activations_are_nonnegative_and_at_most_k_per_token():
-    model = _model(n_prototypes=64, top_k=5)
+    model = _model(n_prototypes=64, n_active=5)
     with torch.no_grad():
         out = model(torch.randint(0, 400, (4, 32)), return_head=True)
     acts, idx = out.head.acts, out.head.proto_idx
@@ -128,8 +128,20 @@ def test_generate_is_greedy_and_deterministic():
     model = _model()
     x = torch.randint(0, 400, (1, 5))
     a = model.generate(x, 10)
-    b = model.generate(x, 10)
-    assert a.shape == (1, 15) and torch.equal(a, b)
+    assert a.shape == (1, 15) and torch.equal(a[:, :5], x)
+    with torch.no_grad():  # greedy: each new token is the argmax of the logits after the tokens before it
+        for t in range(5, 15):
+            assert int(a[0, t]) == int(model(a[:, :t]).logits[0, -1].argmax())
     g1, g2 = torch.Generator().manual_seed(3), torch.Generator().manual_seed(3)
-    assert torch.equal(model.generate(x, 10, temperature=1.0, generator=g1),
-                       model.generate(x, 10, temperature=1.0, generator=g2))
+    s1 = model.generate(x, 10, temperature=1.0, generator=g1)
+    assert torch.equal(s1, model.generate(x, 10, temperature=1.0, generator=g2))
+    assert not torch.equal(s1, a)  # sampling at temperature 1 leaves the greedy path
+    top1 = model.generate(x, 10, temperature=1.0, sample_top_k=1, generator=torch.Generator().manual_seed(5))
+    assert torch.equal(top1, a)  # sampling from the single most likely token is greedy
+
+
+def test_configs_of_older_checkpoints_still_load():
+    from prism_tda.model import ModelConfig, TrainConfig
+
+    assert ModelConfig.from_dict({"top_k": 3, "n_prototypes": 8}).n_active == 3
+    assert TrainConfig.from_dict({"extra": {}, "max_steps": 7}).max_steps == 7

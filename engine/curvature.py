@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save
 
-from .store import atomic_write_bytes
+from .layout import atomic_write_bytes
 
 
 @dataclass

@@ -1,0 +1,50 @@
+"""What a returned document shows: a snippet around its best token, the training tokens to
+highlight, and the prototypes that carry its score."""
+
+from __future__ import annotations
+
+import numpy as np
+from tokenizers import Tokenizer
+
+from .reader import IndexReader
+from .scoring import TokenScores
+from .types import Highlight, ProtoShare, ScoredDocument
+
+WINDOW = 24  # tokens of snippet on each side of the best token
+MAX_HIGHLIGHTS = 8
+
+
+def scored_document(reader: IndexReader, tokenizer: Tokenizer, scores: TokenScores, best: int, score: float,
+                    rank: int, *, opponents: bool) -> ScoredDocument:
+    """The document whose best token is ``scores.tok[best]``: the snippet is the predicted tokens of
+    the rows around it; highlights are the snippet's tokens that share prototypes with the query and
+    push the same way, weighted by their influence relative to the best token."""
+    sign = -1.0 if opponents else 1.0
+    t_best = int(scores.tok[best])
+    seq = int(reader.tok_seq[t_best])
+    t0, t1 = int(reader.seq_tok0[seq]), int(reader.seq_tok0[seq + 1])
+    lo, hi = max(t0, t_best - WINDOW), min(t1, t_best + WINDOW + 1)
+    ids = reader.tok_target[lo:hi].tolist()  # the best row's target sits inside the snippet
+    offsets = [len(tokenizer.decode(ids[:n])) for n in range(len(ids) + 1)]
+    snippet = tokenizer.decode(ids)
+    tok, raw = scores.tok, scores.raw
+    best_raw = abs(raw[best]) or 1.0
+    near = np.nonzero((tok >= lo) & (tok < hi) & (sign * raw > 0))[0]
+    near = near[np.argsort(-(sign * raw[near]))][:MAX_HIGHLIGHTS]
+    highlights = []
+    for c in sorted(near, key=lambda c: tok[c]):
+        n = int(tok[c]) - lo
+        start, end = offsets[n], offsets[n + 1]
+        if end > start:
+            highlights.append(Highlight(start, end, snippet[start:end], float(sign * raw[c] / best_raw), int(tok[c])))
+    mine = scores.row_owner == best
+    protos = reader.row_proto[scores.rows[mine]]
+    vals = sign * scores.row_val[mine]
+    total = float(np.abs(vals).sum()) or 1.0
+    carry = sorted((ProtoShare(int(p), float(v / total)) for p, v in zip(protos, vals, strict=True)),
+                   key=lambda d: -d.share)
+    doc = int(reader.seq_doc[seq])
+    return ScoredDocument(rank=rank, doc_id=doc, external_id=reader.external_id(doc), score=score,
+                          raw_influence=float(raw[best]), seq_id=seq, token_row=t_best,
+                          position=int(reader.seq_start[seq]) + t_best - t0, snippet=snippet,
+                          highlights=highlights, prototypes=carry)

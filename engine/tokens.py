@@ -1,0 +1,65 @@
+"""The per-token quantities of DESIGN §2 from one forward pass.
+
+For every token t with next-token target y_t: the active prototypes and activations a_t, and the
+error signal ``u_t = W^T (softmax(l_t) - onehot(y_t))``. Holding the residual and activations
+fixed, ``a_{t,i} u_t`` is the gradient of token t's loss with respect to prototype i: no backward
+pass through the network is needed, for a training token or for a query.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from prism_tda.model import PRISM
+
+
+@dataclass
+class TokenBatch:
+    """Flattened valid tokens of a padded batch."""
+
+    row: torch.Tensor  # (N,) sequence index within the batch
+    pos: torch.Tensor  # (N,) position within the sequence
+    token_ids: torch.Tensor  # (N,)
+    targets: torch.Tensor  # (N,)
+    proto_idx: torch.Tensor  # (N, k)
+    acts: torch.Tensor  # (N, k)
+    u: torch.Tensor  # (N, d) W^T delta_t
+    loss: torch.Tensor  # (N,) next-token cross-entropy
+    top_cos: torch.Tensor  # (N,) max_i cos(z_t, p_i)
+    proto_max_cos: torch.Tensor  # (K,) max_t cos(p_i, z_t) over this batch
+
+
+@torch.no_grad()
+def run_batch(
+    model: PRISM, tokens: list[list[int]], targets: list[list[int]], *,
+    device: torch.device | str = "cpu", autocast: contextlib.AbstractContextManager | None = None,
+) -> TokenBatch:
+    """One forward pass over right-padded sequences (causal, so padding never leaks backwards)."""
+    assert model.head is not None, "the indexer needs a PRISM model, not the dense baseline"
+    B, T = len(tokens), max(len(t) for t in tokens)
+    x = torch.zeros(B, T, dtype=torch.long)
+    y = torch.zeros(B, T, dtype=torch.long)
+    mask = torch.zeros(B, T, dtype=torch.bool)
+    for b, (tk, tg) in enumerate(zip(tokens, targets, strict=True)):
+        x[b, : len(tk)] = torch.as_tensor(tk)
+        y[b, : len(tg)] = torch.as_tensor(tg)
+        mask[b, : len(tk)] = True
+    x, y, mask = x.to(device), y.to(device), mask.to(device)
+    with autocast or contextlib.nullcontext():
+        z = model.hidden(x)  # (B, T, d)
+    rows, pos = mask.nonzero(as_tuple=True)
+    zv = z[rows, pos].float()  # (N, d)
+    yv = y[rows, pos]
+    h = model.head(zv)
+    W = model.W.float()
+    logits = zv @ W.T  # (N, V)
+    loss = F.cross_entropy(logits, yv, reduction="none")
+    delta = torch.softmax(logits, dim=-1)
+    delta[torch.arange(len(yv), device=delta.device), yv] -= 1.0  # softmax - onehot
+    u = delta @ W  # (N, d)
+    sim = model.head.similarities(zv)
+    return TokenBatch(rows, pos, x[rows, pos], yv, h.proto_idx, h.acts, u, loss, sim.amax(1), sim.amax(0))

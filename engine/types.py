@@ -1,0 +1,168 @@
+"""The values that cross from the engine to its callers (CLI, service, benchmarks): what a query
+asks, how it is scored, and what comes back. Plain dataclasses; the service's HTTP schemas are
+built from them (their attribute docstrings become the API's field descriptions)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+Mode = Literal["fast", "exact"]
+Aggregation = Literal["cosine_max", "cosine_sum", "raw_max", "raw_sum"]
+AGGREGATIONS: tuple[Aggregation, ...] = ("cosine_max", "cosine_sum", "raw_max", "raw_sum")
+
+# pydantic reads each attribute's docstring as its description
+_DOCS = {"use_attribute_docstrings": True}
+
+
+@dataclass(frozen=True)
+class QuerySpec:
+    """What to attribute: a prompt plus a target (a given completion, a greedy generation of
+    ``max_new_tokens``, or with neither the prompt's own next-token predictions)."""
+
+    prompt: str
+    completion: str | None = None
+    max_new_tokens: int | None = None
+    target_index: int | None = None  # attribute only this target token
+
+
+@dataclass(frozen=True)
+class QueryOptions:
+    """How to score and what to return (defaults: DESIGN §2's)."""
+
+    n_documents: int = 10
+    mode: Mode = "fast"
+    n_candidates: int = 256  # sequences the fast path asks FAISS for
+    opponents: bool = False  # rank the documents that most oppose the output
+    damping: float | None = None  # x the mean curvature eigenvalue; None: the index's (index.damping)
+    aggregation: Aggregation = "cosine_max"  # how a document's token scores make its score
+
+
+@dataclass
+class Highlight:
+    __pydantic_config__ = _DOCS
+
+    start: int
+    """Start offset (characters) into the snippet."""
+    end: int
+    """End offset (characters, exclusive)."""
+    text: str
+    """The highlighted training token's text."""
+    weight: float
+    """Its influence relative to the document's best token (1 for the best token)."""
+    token_row: int
+    """The training token's row in the index."""
+
+
+@dataclass
+class ProtoShare:
+    __pydantic_config__ = _DOCS
+
+    proto_id: int
+    share: float
+    """The prototype's share of the document's score."""
+
+
+@dataclass
+class ScoredDocument:
+    """One attributed training document."""
+
+    __pydantic_config__ = _DOCS
+
+    rank: int
+    """1 for the best document."""
+    doc_id: int
+    """The document's id in the index."""
+    external_id: str
+    """The document's id in the training corpus."""
+    score: float
+    """The document's score under the query's aggregation (by default the cosine of preconditioned
+    prototype-space gradients of its best token)."""
+    raw_influence: float
+    """Unnormalised prototype-space influence of the best token."""
+    seq_id: int
+    """The sequence (model-length window) holding the best token."""
+    token_row: int
+    """The best token's row in the index."""
+    position: int
+    """The best token's position in the document's token stream."""
+    snippet: str
+    """The document's text around its best token (the tokens it predicts)."""
+    highlights: list[Highlight] = field(default_factory=list)
+    """Training tokens of the snippet that share prototypes with the query and push the same way."""
+    prototypes: list[ProtoShare] = field(default_factory=list)
+    """The prototypes that carry the best token's score."""
+
+
+@dataclass
+class TokenPrototype:
+    __pydantic_config__ = _DOCS
+
+    proto_id: int
+    act: float
+    """The prototype's activation a_{t,i}."""
+    contribution: float
+    """a_{t,i} (W p_i)_y: the prototype's part of the token's logit."""
+
+
+@dataclass
+class TokenView:
+    """One target token's logit, split into its active prototypes' parts and the residual's."""
+
+    __pydantic_config__ = _DOCS
+
+    position: int
+    """The position whose next token this is."""
+    token_id: int
+    token: str
+    logit: float
+    residual: float
+    """(W r_t)_y: the residual's part of the logit."""
+    prototypes: list[TokenPrototype]
+
+
+@dataclass
+class QueryInfo:
+    __pydantic_config__ = _DOCS
+
+    token_ids: list[int]
+    """Prompt and target tokens, as run through the model."""
+    n_prompt: int
+    """How many of ``token_ids`` are the prompt."""
+    target_ids: list[int]
+    target_text: str
+
+
+@dataclass
+class Timings:
+    """Milliseconds spent per stage."""
+
+    __pydantic_config__ = _DOCS
+
+    query_forward: float
+    """Tokenising, generating (if asked) and the query's forward pass."""
+    candidates: float
+    """First stages: which training rows to score."""
+    score: float
+    """Scoring the rows and ranking documents."""
+    details: float
+    """Snippets, highlights and prototypes of the returned documents."""
+    total: float
+
+
+@dataclass
+class Attribution:
+    """The answer to one query."""
+
+    __pydantic_config__ = _DOCS
+
+    mode: Mode
+    aggregation: Aggregation
+    damping: float
+    """The damping used, x the mean curvature eigenvalue."""
+    query: QueryInfo
+    documents: list[ScoredDocument]
+    per_token: list[TokenView]
+    timings_ms: Timings
+    rows_scored: int
+    """Training activation rows scored (exact: every row sharing a prototype with the query)."""
