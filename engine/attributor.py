@@ -62,6 +62,10 @@ class Attributor:
     def encode(self, spec: QuerySpec) -> Query:
         return self.encoder.encode(spec)
 
+    def candidate_sequences(self, q: Query, n_candidates: int = 256, damping: float | None = None) -> np.ndarray:
+        """The sequences the fast path's first stages pick for an encoded query."""
+        return fast_rows(self.reader, q.G, self.preconditioner(damping), n_candidates, self.stages)[0]
+
     def rows(self, q: Query, mode: Mode, pre: Preconditioner, n_candidates: int) -> np.ndarray:
         if mode == "exact":
             return exact_rows(self.reader, q.G)

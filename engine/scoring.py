@@ -75,14 +75,17 @@ def score_rows(reader: IndexReader, G: torch.Tensor, pre: Preconditioner, rows: 
 def document_scores(reader: IndexReader, scores: TokenScores) -> dict[Aggregation, np.ndarray]:
     """Every document's score under each aggregation (0 where a document has no scored token)."""
     docs = reader.seq_doc[reader.tok_seq[scores.tok]].astype(np.int64)
-    out: dict[Aggregation, np.ndarray] = {}
-    for name, v in (("cosine", scores.cos), ("raw", scores.raw)):
-        best = np.full(reader.n_docs, -np.inf)
-        np.maximum.at(best, docs, v)
-        best[~np.isfinite(best)] = 0.0
-        out[f"{name}_max"] = best  # type: ignore[literal-required]
-        out[f"{name}_sum"] = np.bincount(docs, weights=v, minlength=reader.n_docs)  # type: ignore[literal-required]
-    return out
+    def best(v: np.ndarray) -> np.ndarray:
+        out = np.full(reader.n_docs, -np.inf)
+        np.maximum.at(out, docs, v)
+        out[~np.isfinite(out)] = 0.0
+        return out
+
+    def total(v: np.ndarray) -> np.ndarray:
+        return np.bincount(docs, weights=v, minlength=reader.n_docs)
+
+    return {"cosine_max": best(scores.cos), "cosine_sum": total(scores.cos),
+            "raw_max": best(scores.raw), "raw_sum": total(scores.raw)}
 
 
 def rank_documents(reader: IndexReader, scores: TokenScores, aggregation: Aggregation, *, opponents: bool,

@@ -71,7 +71,7 @@ def run_on_ray(ix: Indexer, manifest: IndexManifest, pending: list[ShardEntry], 
         cpus = ray.cluster_resources().get("CPU", n)
         per_actor = min(1.0, cpus / n) * 0.9  # fractional: leave room for Ray's own tasks
         gpus = 1 if ix.device.type == "cuda" and ray.cluster_resources().get("GPU", 0) >= n else 0
-        Actor = ray.remote(num_cpus=per_actor, num_gpus=gpus)(_Worker)
+        Actor: Any = ray.remote(num_cpus=per_actor, num_gpus=gpus)(_Worker)
         threads = max(1, int(cpus // n))
         actors = [Actor.remote(str(ix.ck_path), str(ix.out), ix.cfg.to_dict(), threads) for _ in range(n)]
         queue = list(pending)
@@ -79,7 +79,7 @@ def run_on_ray(ix: Indexer, manifest: IndexManifest, pending: list[ShardEntry], 
         total = sum(s.n_tokens for s in pending)
         with tqdm(total=total, desc=f"index (ray x{n})", unit="tok", unit_scale=True, disable=not ix.progress,
                   dynamic_ncols=True) as bar:
-            idle = list(actors)
+            idle: list[Any] = list(actors)
             while queue or running:
                 while queue and idle:
                     actor, s = idle.pop(), queue.pop(0)

@@ -30,12 +30,12 @@ def shard_embeddings(index_dir: Path, shard: int, seq_start: int, n_seqs: int, c
     K = curv.lam.shape[0]
     # G_i(x) = sum_t a_{t,i} Q^T u_t: aggregate the rows of each (sequence, prototype) pair first,
     # so the preconditioning and projection run once per pair instead of once per row.
-    pair, inv = np.unique((a_seq - seq_start) * K + proto, return_inverse=True)
-    inv = torch.from_numpy(inv.reshape(-1))
+    pair, pair_of_row = np.unique((a_seq - seq_start) * K + proto, return_inverse=True)
+    owner = torch.from_numpy(pair_of_row.reshape(-1))
     G = torch.zeros(len(pair), u.shape[1])
     for c in range(0, len(row), ROW_CHUNK):
         sl = slice(c, c + ROW_CHUNK)
-        G.index_add_(0, inv[sl], a[sl, None] * u[row[sl]])
+        G.index_add_(0, owner[sl], a[sl, None] * u[row[sl]])
     pair_proto = torch.from_numpy(pair % K)
     G *= curv.inv_sqrt()[pair_proto]  # (pairs, u_dim) preconditioned columns v_i(x)
     out = torch.zeros(n_seqs, sketch.dim)

@@ -39,8 +39,8 @@ def estimate(ix, *, calibration_sequences: int = CALIBRATION_SEQUENCES) -> dict[
     n_seqs = sum(s.n_seqs for s in shards)
     n_tok = sum(s.n_tokens for s in shards)
 
-    with tempfile.TemporaryDirectory() as tmp:
-        tmp = Path(tmp)
+    with tempfile.TemporaryDirectory() as tmp_name:
+        tmp = Path(tmp_name)
         sample_cfg = cfg.replace(shard_documents=max(1, min(cfg.shard_documents, calibration_sequences)))
         sample, _ = plan_shards(ix.corpus, ix.tokenizer, mc.block_size, sample_cfg, ix.schemas, tmp,
                                 progress=False, max_documents=1)

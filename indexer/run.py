@@ -119,7 +119,8 @@ class Indexer:
         if path.is_file():
             return load_file(str(path))["Q"]
         t0 = time.perf_counter()
-        toks, tgts = [], []
+        toks: list[list[int]] = []
+        tgts: list[list[int]] = []
         for s in m.shards:
             seqs = pq.read_table(self.out / "sequences" / store.part_name(s.shard),
                                  columns=["token_ids", "target_ids"]).to_pydict()

@@ -37,7 +37,8 @@ class TokenData:
 
 def split_documents(corpus: list[str], val_fraction: float) -> tuple[list[Document], list[Document], CorpusStats]:
     stats = CorpusStats()
-    train, val = [], []
+    train: list[Document] = []
+    val: list[Document] = []
     for doc in read_corpus(corpus, stats):
         (val if is_validation(doc.doc_id, val_fraction) else train).append(doc)
     return train, val, stats

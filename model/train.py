@@ -15,6 +15,7 @@ import math
 import os
 import shutil
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -32,7 +33,7 @@ from .config import ModelConfig, TrainConfig
 from .data import get_batch, load_or_build, split_documents
 from .device import autocast_for, pick_device
 from .metrics import evaluate, usage_stats
-from .model import PRISM
+from .model import PRISM, ModelOutput
 from .tokenizer import load_tokenizer, train_tokenizer
 
 log = logging.getLogger(__name__)
@@ -124,7 +125,7 @@ class Trainer:
         elif self.model.head is not None and self.cfg.proto_init == "data":
             self._init_prototypes()
         self.ddp = DDP(self.model) if self.world > 1 else None
-        self.fwd = self.ddp or self.model
+        self.fwd: Callable[..., ModelOutput] = self.ddp or self.model
         if self.cfg.compile:
             self.fwd = torch.compile(self.fwd)
         return self
@@ -149,7 +150,8 @@ class Trainer:
         return load_tokenizer(path)
 
     def _optimizer(self) -> torch.optim.Optimizer:
-        decay, no_decay = [], []
+        decay: list[torch.nn.Parameter] = []
+        no_decay: list[torch.nn.Parameter] = []
         for name, p in self.model.named_parameters():
             (decay if p.dim() >= 2 and not name.endswith("prototypes") else no_decay).append(p)
         groups = [{"params": decay, "weight_decay": self.cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
@@ -182,13 +184,15 @@ class Trainer:
                              micro=micro, grad_accum=c.grad_accum, rank=self.rank, world=self.world)
             x, y = x.to(self.device), y.to(self.device)
             sync = self.ddp is None or micro == c.grad_accum - 1
-            with contextlib.nullcontext() if sync else self.ddp.no_sync():
+            with contextlib.nullcontext() if self.ddp is None or sync else self.ddp.no_sync():
                 with self.autocast:  # forward under autocast, backward outside it
                     out = self.fwd(x, y)
+                assert out.loss is not None  # targets were given
                 (out.loss / c.grad_accum).backward()
             for k, v in {"loss": out.loss, **out.losses, **out.metrics}.items():
                 sums[k] = sums.get(k, 0.0) + float(v.detach()) / c.grad_accum
-            if out.head is not None:
+            if out.head is not None and out.z is not None:
+                assert out.head.mass is not None  # computed with the losses
                 mass += out.head.mass
                 self._last_batch_z = out.z.detach().reshape(-1, mc.d_model).float()
                 self._last_batch_zhat = out.head.zhat.detach()
@@ -231,6 +235,7 @@ class Trainer:
             return 0
         if self.is_main:
             z, zhat = self._last_batch_z, self._last_batch_zhat
+            assert z is not None and zhat is not None  # set by the training step before any re-seeding
             err = (z - zhat).pow(2).sum(-1) / z.pow(2).sum(-1).clamp_min(1e-6)
             order = err.argsort(descending=True)
             cand = order[torch.arange(n, device=order.device) % order.numel()]

@@ -8,6 +8,7 @@ import logging
 import os
 import sys
 import time
+from collections.abc import Collection
 from pathlib import Path
 from typing import Any
 
@@ -49,7 +50,7 @@ def _parse_value(raw: str) -> Any:
 
 
 def _merge_overrides(sections: dict[str, dict[str, Any]], config_file: str | None, sets: list[str], *,
-                     also_ok: set[str] = frozenset()) -> dict[str, dict[str, Any]]:
+                     also_ok: Collection[str] = ()) -> dict[str, dict[str, Any]]:
     """Apply a JSON config file's sections, then ``--set SECTION.NAME=VALUE`` items, to ``sections``."""
     from .errors import ConfigError
 
@@ -262,8 +263,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     except ValidationError as e:
         raise ConfigError("; ".join(f"PRISM_{'.'.join(map(str, x['loc'])).upper()}: {x['msg']}"
                                     for x in e.errors())) from None
-    run = {"host": settings.host, "port": settings.port, "log_config": None, "access_log": False,
-           "timeout_graceful_shutdown": settings.graceful_shutdown_s}
+    run: dict[str, Any] = {"host": settings.host, "port": settings.port, "log_config": None, "access_log": False,
+                           "timeout_graceful_shutdown": settings.graceful_shutdown_s}
     if settings.workers == 1:
         from .service import create_app
 

@@ -134,6 +134,7 @@ def _read_jsonl(path: Path, stats: CorpusStats) -> Iterator[Document]:
             doc_id = rec.get("id", rec.get("doc_id"))
             doc_id = str(doc_id) if doc_id is not None else f"{path.name}:{row}"
             n += 1
+            assert isinstance(text, str)  # checked by _text_ok
             yield Document(doc_id, text, str(rec.get("source") or path.name), _opt(rec.get("title")), _opt(rec.get("url")))
     if n == 0 and not any(e["file"] == src for e in stats.examples):
         stats.add_bad(src, None, "empty_file")

@@ -51,7 +51,11 @@ def install_sighup(services: Services) -> Callable[[], None]:
         threading.Thread(target=reload_all, args=(services,), name="index-reload", daemon=True).start()
 
     previous = signal.signal(signal.SIGHUP, on_hup)
-    return lambda: signal.signal(signal.SIGHUP, previous)
+
+    def uninstall() -> None:
+        signal.signal(signal.SIGHUP, previous)
+
+    return uninstall
 
 
 async def drain(services: Services, timeout_s: float) -> bool:

@@ -128,7 +128,7 @@ async def _on_error(request: Request, exc: Exception) -> JSONResponse:
         if any(e.get("type") == "json_invalid" for e in errs):
             msg = next(e for e in errs if e.get("type") == "json_invalid").get("ctx", {}).get("error", "")
             return error_response(MalformedRequest(f"the body is not valid JSON: {msg}".rstrip(": ")), request)
-        items = _jsonable_errors(errs)
+        items = _jsonable_errors(list(errs))
         detail = "; ".join(f"{i['field']}: {i['message']}" for i in items)
         return error_response(InvalidRequest(detail, errors=items), request)
     if isinstance(exc, QueryError):

@@ -22,14 +22,6 @@ torch.set_num_threads(min(2, os.cpu_count() or 1))
 REPO = Path(__file__).resolve().parents[1]
 
 
-def pytest_collection_modifyitems(config, items):
-    if not torch.cuda.is_available():
-        skip = pytest.mark.skip(reason="needs a CUDA device")
-        for item in items:
-            if "gpu" in item.keywords:
-                item.add_marker(skip)
-
-
 @pytest.fixture(scope="session")
 def tiny_corpus(tmp_path_factory) -> Path:
     """600 documents of the bundled demo corpus, as JSONL."""

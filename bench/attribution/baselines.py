@@ -204,10 +204,10 @@ def score_index(method: str, index_dir: Path, queries: list[tuple[list[int], lis
     sequence, with the index's own model; adds ``seq_doc`` (each sequence's document) and ``model``."""
     import pyarrow.parquet as pq
 
-    from prism_tda.indexer import store
+    from prism_tda.engine import layout as store
     from prism_tda.model import checkpoint as ckpt
 
-    model, _, _ = ckpt.load_checkpoint(store.read_manifest(index_dir)["checkpoint"])
+    model, _, _ = ckpt.load_checkpoint(store.read_manifest(index_dir).checkpoint)
     seqs = pq.read_table(index_dir / "sequences", columns=["doc_id", "token_ids", "target_ids"]).to_pydict()
     block = model.cfg.block_size
     train = TokenDataset.from_sequences(seqs["token_ids"], seqs["target_ids"], block)

@@ -16,7 +16,6 @@ import sys
 from pathlib import Path
 
 import numpy as np
-import torch
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
@@ -24,7 +23,7 @@ sys.path.insert(0, str(HERE))
 from _common import finish  # noqa: E402
 from run_eval import rank_of, spearman, summarise  # noqa: E402
 
-from prism_tda.attribution import Attributor  # noqa: E402
+from prism_tda.engine import Attributor, QuerySpec  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -37,8 +36,8 @@ def main(argv: list[str] | None = None) -> dict:
     work = Path(args.work)
     queries = json.loads((work / "queries.json").read_text())
     att = Attributor.open(work / "index")
-    ext = {e: i for i, e in enumerate(att.doc_external) if e is not None}
-    n = att.n_docs
+    ext = {e: i for i, e in enumerate(att.reader.doc_external) if e is not None}
+    n = att.reader.n_docs
     files = sorted((work / "lds").glob("subset_*.json"))
     rng = np.random.default_rng(args.seed)  # the same draws as run_eval.py
     masks = []
@@ -47,16 +46,13 @@ def main(argv: list[str] | None = None) -> dict:
         m[rng.choice(n, n // 2, replace=False)] = 1
         masks.append(m)
     M, L = np.stack(masks), np.array([json.loads(f.read_text())["loss"] for f in files])
-    base = float(att.curv.damping)
+    base = att.reader.cfg.damping  # x the mean curvature eigenvalue
     rows = []
     for mult in [float(x) for x in args.multipliers.split(",")]:
-        att.curv.damping = torch.tensor(base * mult)
-        att.inv = att.curv.inv()
-        att._load_tokens()  # I(t, t) under the new damping
-        S = np.stack([att.document_scores(att.encode_query(q["prompt"], q["completion"]), "exact")["cosine_max"]
-                      for q in queries])
+        S = np.stack([att.document_scores(att.encode(QuerySpec(q["prompt"], q["completion"])), "exact",
+                                          damping=base * mult)["cosine_max"] for q in queries])
         P = M @ S.T
-        row = {"damping_multiplier": mult, "damping": base * mult}
+        row = {"damping_multiplier": mult, "damping": float(base * mult * att.reader.mean_eig)}
         for name, kinds in (("lds", ("verbatim", "heldout")), ("lds_facts", ("verbatim",)), ("lds_heldout", ("heldout",))):
             sel = [i for i, q in enumerate(queries) if q["kind"] in kinds]
             row[name] = float(np.mean([spearman(P[:, i], -L[:, i]) for i in sel]))

@@ -22,7 +22,7 @@ import pyarrow.parquet as pq
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from _common import finish  # noqa: E402
 
-from prism_tda.attribution import Attributor  # noqa: E402
+from prism_tda.engine import Attributor, FirstStages, QueryOptions, QuerySpec  # noqa: E402
 
 SETTINGS = [(0, 0), (8, 1 << 15), (8, 1 << 16), (16, 1 << 16), (8, 1 << 18)]
 
@@ -50,17 +50,17 @@ def main(argv: list[str] | None = None) -> dict:
             break
     exact, t_exact = [], []
     for p, c in queries:
-        r = att.attribute(p, c, mode="exact")
-        exact.append({d["doc_id"] for d in r["documents"]})
-        t_exact.append(r["timings_ms"]["total"] / 1e3)
+        r = att.attribute(QuerySpec(p, c), QueryOptions(mode="exact"))
+        exact.append({d.doc_id for d in r.documents})
+        t_exact.append(r.timings_ms.total / 1e3)
     rows = []
     for pc, budget in SETTINGS:
-        att.proto_candidates, att.row_budget = pc, budget
+        att.stages = FirstStages(proto_candidates=pc, row_budget=budget)
         ov, ts = [], []
         for (p, c), e in zip(queries, exact, strict=True):
-            r = att.attribute(p, c, mode="fast", n_candidates=args.candidates)
-            ts.append(r["timings_ms"]["total"] / 1e3)
-            ov.append(len({d["doc_id"] for d in r["documents"]} & e) / max(len(e), 1))
+            r = att.attribute(QuerySpec(p, c), QueryOptions(n_candidates=args.candidates))
+            ts.append(r.timings_ms.total / 1e3)
+            ov.append(len({d.doc_id for d in r.documents} & e) / max(len(e), 1))
         rows.append({"proto_candidates": pc, "row_budget": budget, "overlap_at_10": float(np.mean(ov)),
                      "seconds_per_query_median": float(np.median(ts)), "seconds_per_query_p90": float(np.percentile(ts, 90))})
         print(rows[-1], flush=True)

@@ -30,9 +30,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from _common import finish  # noqa: E402
 from planted import make_facts, write_corpus  # noqa: E402
 
-from prism_tda.attribution import Attributor  # noqa: E402
 from prism_tda.cli import build_configs  # noqa: E402
 from prism_tda.corpus import is_validation  # noqa: E402
+from prism_tda.engine import Attributor, QueryOptions, QuerySpec  # noqa: E402
 from prism_tda.indexer.run import build_index  # noqa: E402
 from prism_tda.model import checkpoint as ckpt  # noqa: E402
 from prism_tda.model.train import Trainer  # noqa: E402
@@ -112,15 +112,15 @@ def main(argv: list[str] | None = None) -> dict:
             row = {"fact": f.fact_id, "kind": kind, "memorised": memorised}
             res = {}
             for mode in ("fast", "exact"):
-                r = att.attribute(prompt, f.answer, mode=mode, top_k=50, n_candidates=args.candidates)
-                times[mode].append(r["timings_ms"]["total"] / 1e3)
-                res[mode] = [ext[d["doc_id"]] for d in r["documents"]]
+                r = att.attribute(QuerySpec(prompt, f.answer),
+                                  QueryOptions(n_documents=50, mode=mode, n_candidates=args.candidates))
+                times[mode].append(r.timings_ms.total / 1e3)
+                res[mode] = [ext[d.doc_id] for d in r.documents]
                 row[mode] = rank_of(res[mode], wanted)
             top_f, top_e = set(res["fast"][:10]), set(res["exact"][:10])
             overlaps.append(len(top_f & top_e) / max(len(top_e), 1))
-            q = att.encode_query(prompt, f.answer)
-            seqs, _ = att.candidate_rows(q, args.candidates)
-            cand_docs = {ext[int(d)] for d in att.seq_doc[seqs]}
+            seqs = att.candidate_sequences(att.encode(QuerySpec(prompt, f.answer)), args.candidates)
+            cand_docs = {ext[int(d)] for d in att.reader.seq_doc[seqs]}
             cand_recalls.append(len(top_e & cand_docs) / max(len(top_e), 1))
             t1 = time.perf_counter()
             scores = bm25.get_scores((prompt + f.answer).lower().split())
@@ -148,7 +148,7 @@ def main(argv: list[str] | None = None) -> dict:
         "seconds_per_query_prism_exact": float(np.median(times["exact"])),
         "seconds_per_query_bm25": float(np.median(times["bm25"])),
         "setup_seconds": {"prism_train": round(train_s, 1), "prism_index": round(index_s, 1),
-                          "prism_open": round(att.load_seconds, 2), "bm25": round(bm25_setup_s, 2)},
+                          "prism_open": round(att.reader.load_seconds, 2), "bm25": round(bm25_setup_s, 2)},
         "peak_rss_mb_prism": rss_prism,
         "facts": len(facts), "copies": args.copies, "memorised_facts": len({r["fact"] for r in rows if r["memorised"]}),
         "queries": rows,

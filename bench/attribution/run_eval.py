@@ -116,7 +116,7 @@ def _run_method(method: str, work: Path, index_dir: Path, queries: list[dict], c
     torch.set_num_threads(2)
     import baselines
 
-    from prism_tda.attribution import Attributor
+    from prism_tda.engine import Attributor, QueryOptions, QuerySpec
 
     docs = pq.read_table(index_dir / "documents", columns=["doc_id", "text"]).to_pydict()
     n_docs = len(docs["doc_id"])
@@ -125,8 +125,8 @@ def _run_method(method: str, work: Path, index_dir: Path, queries: list[dict], c
     if method == "prism_served":  # the served path alone: open the index, answer fast queries
         att = Attributor.open(index_dir)
         out["setup_seconds"] = time.perf_counter() - t0
-        ts = [att.attribute(q["prompt"], q["completion"], mode="fast", top_k=10, n_candidates=candidates)
-              ["timings_ms"]["total"] / 1e3 for q in queries]
+        ts = [att.attribute(QuerySpec(q["prompt"], q["completion"]), QueryOptions(n_candidates=candidates))
+              .timings_ms.total / 1e3 for q in queries]
         out["seconds_per_query"] = float(np.median(ts))
     elif method == "prism":
         att = Attributor.open(index_dir)
@@ -137,27 +137,27 @@ def _run_method(method: str, work: Path, index_dir: Path, queries: list[dict], c
         cand_recall = []
         for q in queries:
             for mode in ("fast", "exact"):
-                r = att.attribute(q["prompt"], q["completion"], mode=mode, top_k=10, n_candidates=candidates)
-                times[mode].append(r["timings_ms"]["total"] / 1e3)
-                top[mode].append([d["doc_id"] for d in r["documents"]])
-            qq = att.encode_query(q["prompt"], q["completion"])
+                r = att.attribute(QuerySpec(q["prompt"], q["completion"]),
+                                  QueryOptions(mode=mode, n_candidates=candidates))
+                times[mode].append(r.timings_ms.total / 1e3)
+                top[mode].append([d.doc_id for d in r.documents])
+            qq = att.encode(QuerySpec(q["prompt"], q["completion"]))
             fast = att.document_scores(qq, "fast", candidates)
             exact = att.document_scores(qq, "exact")
             res["prism_fast"].append(fast["cosine_max"])
             res["prism_exact"].append(exact["cosine_max"])
             for v in PRISM_VARIANTS:
                 res[v].append(exact[v.removeprefix("prism_exact_")])
-            seqs_c, _ = att.candidate_rows(qq, candidates)
-            cand_docs = set(att.seq_doc[seqs_c].tolist())
+            cand_docs = set(att.reader.seq_doc[att.candidate_sequences(qq, candidates)].tolist())
             cand_recall.append(len(set(top["exact"][-1]) & cand_docs) / max(len(top["exact"][-1]), 1))
         for k, v in res.items():
             np.save(work / f"scores_{k}.npy", np.stack(v).astype(np.float32))
         # agreement of the served path with the exact top-10 as the candidate pool widens
         out["overlap_by_candidates"] = {}
         for nc in (candidates, 2 * candidates, 4 * candidates):
-            ov = [len({d["doc_id"] for d in att.attribute(q["prompt"], q["completion"], mode="fast", top_k=10,
-                                                           n_candidates=nc)["documents"]} & set(e)) / max(len(e), 1)
-                  for q, e in zip(queries, top["exact"], strict=True)]
+            ov = [len({d.doc_id for d in att.attribute(QuerySpec(q["prompt"], q["completion"]),
+                                                       QueryOptions(n_candidates=nc)).documents} & set(e))
+                  / max(len(e), 1) for q, e in zip(queries, top["exact"], strict=True)]
             out["overlap_by_candidates"][nc] = {k: float(np.mean([o for o, q in zip(ov, queries, strict=True)
                                                                    if q["kind"] in kinds]))
                                                 for k, kinds in (("all", ("verbatim", "paraphrase", "heldout")),

@@ -41,8 +41,8 @@ def _time_method(method: str, index_dir: str, out_json: str, queries: list[tuple
     torch.set_num_threads(2)
     import baselines
 
-    from prism_tda.attribution import Attributor
-    from prism_tda.indexer import store
+    from prism_tda.engine import Attributor, QueryOptions, QuerySpec
+    from prism_tda.engine import layout as store
     from prism_tda.model import checkpoint as ckpt
     from prism_tda.model.tokenizer import load_tokenizer
 
@@ -54,11 +54,11 @@ def _time_method(method: str, index_dir: str, out_json: str, queries: list[tuple
         att = Attributor.open(index)
         out["setup_seconds"] = time.perf_counter() - t0
         mode = method.split("_")[1]
-        att.attribute(*queries[0], mode=mode)  # warm
-        ts = [att.attribute(p, c, mode=mode)["timings_ms"]["total"] / 1e3 for p, c in queries]
+        att.attribute(QuerySpec(*queries[0]), QueryOptions(mode=mode))  # warm
+        ts = [att.attribute(QuerySpec(p, c), QueryOptions(mode=mode)).timings_ms.total / 1e3 for p, c in queries]
         out["seconds_per_query"] = float(np.median(ts))
     elif method in ("ekfac", "trak"):
-        ck = ckpt.resolve(store.read_manifest(index)["checkpoint"])
+        ck = ckpt.resolve(store.read_manifest(index).checkpoint)
         tok = load_tokenizer(ck / ckpt.TOKENIZER)
         r = baselines.score_index(method, index, [(tok.encode(p).ids, tok.encode(c).ids) for p, c in queries], work)
         out |= {"setup_seconds": r["fit_seconds"], "seconds_per_query": r["score_seconds"] / len(queries)}

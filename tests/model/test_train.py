@@ -24,6 +24,7 @@ def _trainer(tmp, corpus, tok, name="run", model_kw=None, **train_kw) -> Trainer
                    tokenizer_path=tok, progress=False).setup()
 
 
+@pytest.mark.slow
 def test_all_four_losses_decrease(tmp_path, tiny_corpus, tiny_tokenizer):
     """From random prototypes, every loss term falls. The first steps of language-model training
     collapse the token states toward a few directions, away from random prototypes, so L_R1 is
@@ -39,6 +40,7 @@ def test_all_four_losses_decrease(tmp_path, tiny_corpus, tiny_tokenizer):
         assert last < 0.95 * first, f"L_{name} did not decrease: {first:.4f} -> {last:.4f}"
 
 
+@pytest.mark.slow
 def test_reseeding_keeps_prototype_usage_spread(tmp_path, tiny_corpus, tiny_tokenizer):
     """Early token states collapse onto a few prototypes; re-seeding idle ones spreads usage again."""
     evals = {}

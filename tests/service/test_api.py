@@ -106,6 +106,7 @@ def test_prototype_sets_and_generation_with_suppression(client):
     sup = client.post("/v1/generate", json={"prompt": "A computer", "max_new_tokens": 8,
                                             "suppress": "everything"}).json()
     assert sup["suppress_set"] == "everything" and sup["suppressed"] == list(range(32))
+    assert sup["token_ids"] != base["token_ids"]  # without its prototypes the model writes something else
     by_ids = client.post("/v1/generate", json={"prompt": "A computer", "max_new_tokens": 8,
                                                "suppress": list(range(32))}).json()
     assert by_ids["token_ids"] == sup["token_ids"]

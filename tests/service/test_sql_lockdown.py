@@ -76,10 +76,14 @@ def test_runaway_query_is_interrupted_within_the_time_limit(client, live):
     assert client.post("/v1/sql", json={"sql": "SELECT count(*) FROM prototypes"}).json()["rows"] == [[32]]
 
 
-def test_nothing_was_written_or_changed(client):
-    import os
-
-    assert not os.path.exists("/tmp/stolen.csv") and not os.path.exists("/tmp/evil.duckdb")
+def test_nothing_was_written_or_changed(client, tmp_path):
+    # the statements that would write, sent here (whatever ran before), to paths unique to this test
+    targets = [tmp_path / "stolen.csv", tmp_path / "evil.duckdb", tmp_path / "export"]
+    attach = f"ATTACH ''{targets[1]}''"
+    for sql in (f"COPY (SELECT * FROM documents) TO '{targets[0]}'", f"ATTACH '{targets[1]}' AS evil",
+                f"EXPORT DATABASE '{targets[2]}'", f"SELECT * FROM query('{attach}')"):
+        assert client.post("/v1/sql", json={"sql": sql}).status_code in (400, 403), sql
+    assert not any(t.exists() for t in targets)
     r = client.post("/v1/sql", json={"sql": "SELECT current_setting('enable_external_access') AS ext, "
                                             "current_setting('lock_configuration') AS locked"})
     assert r.json()["rows"] == [[False, True]]
