@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import datetime as dt
 import json
 import os
 import platform
+import socket
 import sys
 from pathlib import Path
 
@@ -36,3 +38,84 @@ def peak_rss_mb() -> float:
     import resource
 
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def index_documents(index_dir: str | Path, columns: list[str]) -> dict[str, list]:
+    """Columns of every document of an index, in global id order, with ``doc_id`` (shards in manifest order)."""
+    import pyarrow.parquet as pq
+
+    from prism_tda.engine import layout
+
+    m = layout.read_manifest(Path(index_dir))
+    cols = [c for c in columns if c != "doc_id"]
+    out: dict[str, list] = {c: [] for c in cols}
+    for sh in m.shards:
+        t = pq.read_table(layout.shard_dir(Path(index_dir), sh.unit) / "documents.parquet", columns=cols)
+        for c in cols:
+            out[c] += t.column(c).to_pylist()
+    n = sum(sh.n_docs for sh in m.shards)
+    return {"doc_id": list(range(n)), **out} if "doc_id" in columns else out
+
+
+def index_sequences(index_dir: str | Path) -> dict[str, list]:
+    """Every sequence of an index as the model saw it: ``doc_id``, ``token_ids``, ``target_ids``."""
+    import numpy as np
+
+    from prism_tda.engine import layout
+
+    m = layout.read_manifest(Path(index_dir))
+    out: dict[str, list] = {"doc_id": [], "token_ids": [], "target_ids": []}
+    doc0 = 0
+    for sh in m.shards:
+        d = layout.shard_dir(Path(index_dir), sh.unit)
+        tokens = np.load(d / "tokens.npy").astype(np.int64)
+        tok0, last = np.load(d / "seq_tok0.npy"), np.load(d / "seq_last_target.npy").astype(np.int64)
+        seq_doc = np.load(d / "seq_doc.npy")
+        for s in range(sh.n_seqs):
+            t = tokens[tok0[s] : tok0[s + 1]].tolist()
+            out["token_ids"].append(t)
+            out["target_ids"].append(t[1:] + [int(last[s])])
+            out["doc_id"].append(doc0 + int(seq_doc[s]))
+        doc0 += sh.n_docs
+    return out
+
+
+@contextlib.contextmanager
+def served(index: str | Path, name: str = "bench", *, poll_s: float = 0.1):
+    """``prism serve`` on one index as its own process (loopback, no rate limit, its own state
+    directory); yields (process, base URL, seconds until ``/readyz`` answered); stops it on exit."""
+    import shutil
+    import signal
+    import subprocess
+    import tempfile
+    import time
+
+    import httpx
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    url = f"http://127.0.0.1:{port}"
+    state = tempfile.mkdtemp(prefix="prism-bench-state-")
+    env = {**os.environ, "PRISM_RATE_LIMIT_PER_MINUTE": "0"}
+    t0 = time.perf_counter()
+    server = subprocess.Popen([sys.executable, "-m", "prism_tda.cli", "--log-level", "warning", "serve", "--index",
+                               f"{name}={index}", "--port", str(port), "--state-dir", state], env=env)
+    try:
+        while True:
+            if server.poll() is not None:
+                raise SystemExit(f"the server on {index} exited")
+            try:
+                if httpx.get(url + "/readyz", timeout=2).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            time.sleep(poll_s)
+        yield server, url, time.perf_counter() - t0
+    finally:
+        server.send_signal(signal.SIGTERM)
+        try:
+            server.wait(30)
+        except subprocess.TimeoutExpired:
+            server.kill()
+        shutil.rmtree(state, ignore_errors=True)

@@ -20,9 +20,8 @@ import shutil
 import time
 from pathlib import Path
 
-import pyarrow.parquet as pq
 import torch
-from _common import finish
+from _common import finish, index_sequences
 
 from prism_tda import demo_corpus_path
 from prism_tda.indexer import IndexConfig
@@ -45,8 +44,7 @@ def make_corpus(path: Path, n_docs: int) -> Path:
 @torch.no_grad()
 def bare_forward_tokens_per_s(checkpoint: str, index_dir: Path, batch_size: int) -> float:
     model, _, _ = ckpt.load_checkpoint(checkpoint)
-    seqs = pq.read_table(sorted((index_dir / "sequences").glob("part-*.parquet")), columns=["token_ids"])
-    rows = seqs["token_ids"].to_pylist()
+    rows = index_sequences(index_dir)["token_ids"]
     n_tok = 0
     t0 = time.perf_counter()
     for b in range(0, len(rows), batch_size):

@@ -18,18 +18,14 @@ import argparse
 import gzip
 import json
 import os
-import signal
 import socket
-import subprocess
-import sys
-import tempfile
 import threading
 import time
 from pathlib import Path
 
 import httpx
 import numpy as np
-from _common import finish
+from _common import finish, served
 
 from prism_tda import demo_corpus_path
 from prism_tda.model.tokenizer import load_tokenizer
@@ -108,24 +104,7 @@ def main(argv: list[str] | None = None) -> dict:
     manifest = json.loads((index / "manifest.json").read_text())
     prompts = prompts_of(Path(manifest["checkpoint"]) / "tokenizer.json", 50)
     n_protos = manifest["model"]["n_prototypes"]
-    port = free_port()
-    url = f"http://127.0.0.1:{port}"
-    state = tempfile.mkdtemp(prefix="prism-load-state-")
-    env = {**os.environ, "PRISM_RATE_LIMIT_PER_MINUTE": "0", "PRISM_LOG_LEVEL": "warning"}
-    t_start = time.perf_counter()
-    server = subprocess.Popen([sys.executable, "-m", "prism_tda.cli", "--log-level", "warning", "serve", "--index",
-                               f"demo={index}", "--port", str(port), "--state-dir", state], env=env)
-    try:
-        while True:
-            if server.poll() is not None:
-                raise SystemExit("the server exited")
-            try:
-                if httpx.get(url + "/readyz", timeout=2).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            time.sleep(0.2)
-        startup_s = time.perf_counter() - t_start
+    with served(index, "demo", poll_s=0.2) as (_, url, startup_s):
         bodies = {
             "/v1/attribute": lambda i: {"prompt": prompts[i % len(prompts)], "completion": " is a machine",
                                         "top_k": 10, "mode": "fast"},
@@ -138,12 +117,6 @@ def main(argv: list[str] | None = None) -> dict:
             for c in [int(x) for x in args.concurrency.split(",")]:
                 results.setdefault(path, {})[str(c)] = r = run_load(url, body, args.requests, c, path)
                 print(path, c, {k: r[k] for k in ("p50_ms", "p99_ms", "requests_per_s", "errors")}, flush=True)
-    finally:
-        server.send_signal(signal.SIGTERM)
-        try:
-            server.wait(30)
-        except subprocess.TimeoutExpired:
-            server.kill()
     a = results["/v1/attribute"]
     res = {
         "results": results, "server_startup_s": round(startup_s, 2),

@@ -1,8 +1,17 @@
 """The attribution engine's front door: which training documents drove an output (DESIGN §2).
 
-One forward pass over the query gives its prototype-space gradient (``query.py``); first stages
-pick the training rows to score (``candidates.py``); the rows are scored exactly (``scoring.py``)
-and the best documents presented (``present.py``). Nothing here runs the model over training data.
+One forward pass over the query gives its prototype-space gradient (``query.py``). The fast path
+(the default):
+
+1. first stages pick candidate sequences, sublinear in the corpus (``candidates.py``);
+2. their tokens are scored from the index's compressed values and the best ``exact_rerank``
+   documents shortlisted (``scoring.approx_scores``);
+3. the shortlisted documents' best sequences are run through the model again and scored exactly,
+   and the documents ranked by those exact scores (``scoring.exact_scores``), so every returned
+   score is DESIGN's exact influence.
+
+``mode="exact"`` scores every token of the corpus exactly (one forward pass over it: the reference
+the fast path is measured against, ``exact.py``). Results are presented by ``present.py``.
 
     att = Attributor.open("runs/demo/index")
     res = att.attribute(QuerySpec("A computer", " is a machine"), QueryOptions(n_documents=5))
@@ -18,26 +27,50 @@ import numpy as np
 from prism_tda.errors import PrismError, QueryError
 from prism_tda.model import checkpoint as ckpt
 
-from .candidates import FirstStages, exact_rows, fast_rows
+from .candidates import FirstStages, candidate_sequences
+from .exact import exhaustive
+from .layout import IndexManifest
 from .present import scored_document
 from .query import Query, QueryEncoder
-from .reader import IndexReader
-from .scoring import Preconditioner, document_scores, rank_documents, score_rows
+from .reader import IndexReader, read_complete_manifest
+from .scoring import (
+    Preconditioner,
+    TokenScores,
+    approx_scores,
+    document_scores,
+    exact_scores,
+    rank_documents,
+)
 from .types import AGGREGATIONS, Aggregation, Attribution, Mode, QueryOptions, QuerySpec, Timings
+
+
+def _best_tokens_per_sequence(reader: IndexReader, approx: TokenScores, seqs: np.ndarray, m: int,
+                              opponents: bool) -> np.ndarray:
+    """The ``m`` tokens (global rows) of each of ``seqs`` with the best approximate cosines."""
+    tok_seq = reader.seq_of_tokens(approx.tok)
+    keep = np.isin(tok_seq, seqs)
+    tok, seq, cos = approx.tok[keep], tok_seq[keep], approx.cos[keep] * (-1.0 if opponents else 1.0)
+    order = np.lexsort((-cos, seq))  # by sequence, best first
+    first = np.searchsorted(seq[order], seq[order], side="left")
+    return np.sort(tok[order][np.arange(len(order)) - first < m])
 
 
 class Attributor:
     """An index, the checkpoint it was built from, and the queries it answers."""
 
     def __init__(self, index_dir: str | Path, *, checkpoint: str | Path | None = None,
-                 stages: FirstStages | None = None) -> None:
-        self.reader = IndexReader(index_dir)
-        m = self.reader.manifest
-        self.model, self.tokenizer, ck_config = ckpt.load_checkpoint(checkpoint or m.checkpoint)
+                 stages: FirstStages | None = None, exact_token_limit: int | None = None) -> None:
+        """``exact_token_limit``: refuse ``mode="exact"`` on indexes with more tokens (it runs the model
+        over all of them)."""
+        manifest = read_complete_manifest(Path(index_dir))
+        self.model, self.tokenizer, ck_config = ckpt.load_checkpoint(checkpoint or manifest.checkpoint)
         self.model.eval()
-        if ck_config["files"]["model.safetensors"] != m.identity["checkpoint_sha256"]:
-            raise PrismError(f"{index_dir}: index was built from another checkpoint than {checkpoint or m.checkpoint}")
+        if ck_config["files"]["model.safetensors"] != manifest.identity["checkpoint_sha256"]:
+            raise PrismError(f"{index_dir}: index was built from another checkpoint than "
+                             f"{checkpoint or manifest.checkpoint}")
+        self.reader = IndexReader(index_dir, self.model.W)
         self.stages = stages or FirstStages()
+        self.exact_token_limit = exact_token_limit
         self.encoder = QueryEncoder(self.model, self.tokenizer, self.reader.curv.Q, self.reader.curv.u_dim)
         self._pre: dict[float, Preconditioner] = {}
 
@@ -46,7 +79,7 @@ class Attributor:
         return cls(index_dir, **kw)
 
     @property
-    def manifest(self):
+    def manifest(self) -> IndexManifest:
         return self.reader.manifest
 
     def preconditioner(self, damping: float | None = None) -> Preconditioner:
@@ -62,40 +95,78 @@ class Attributor:
     def encode(self, spec: QuerySpec) -> Query:
         return self.encoder.encode(spec)
 
-    def candidate_sequences(self, q: Query, n_candidates: int = 256, damping: float | None = None) -> np.ndarray:
+    def candidate_sequences(self, q: Query, n_candidates: int = 256, damping: float | None = None,
+                            nprobe: int | None = None) -> np.ndarray:
         """The sequences the fast path's first stages pick for an encoded query."""
-        return fast_rows(self.reader, q.G, self.preconditioner(damping), n_candidates, self.stages)[0]
+        return candidate_sequences(self.reader, q.G, self.preconditioner(damping), n_candidates, self.stages, nprobe)
 
-    def rows(self, q: Query, mode: Mode, pre: Preconditioner, n_candidates: int) -> np.ndarray:
-        if mode == "exact":
-            return exact_rows(self.reader, q.G)
-        if mode == "fast":
-            return fast_rows(self.reader, q.G, pre, n_candidates, self.stages)[1]
-        raise QueryError(f"mode: must be 'fast' or 'exact', got {mode!r}")
+    def _check_exact(self) -> None:
+        if self.exact_token_limit is not None and self.reader.n_tokens > self.exact_token_limit:
+            raise QueryError(f"mode: 'exact' runs the model over every training token ({self.reader.n_tokens:,} "
+                             f"here, over this server's limit of {self.exact_token_limit:,}); use 'fast'")
+
+    def _fast(self, q: Query, opt: QueryOptions, pre: Preconditioner) -> tuple[TokenScores, int, list]:
+        t0 = time.perf_counter()
+        seqs = self.candidate_sequences(q, opt.n_candidates, opt.damping, opt.nprobe)
+        self._candidates_ms = 1e3 * (time.perf_counter() - t0)
+        approx = approx_scores(self.reader, q.G, pre, self.reader.rows_of_sequences(seqs))
+        short = rank_documents(self.reader, approx, opt.aggregation, opponents=opt.opponents,
+                               n=max(opt.exact_rerank, opt.n_documents))
+        best_seqs = self.reader.seq_of_tokens(approx.tok[[b for b, _ in short]]) if short else np.zeros(0, np.int64)
+        m = opt.exact_tokens if opt.aggregation.endswith("_max") else None
+        tokens = None if m is None else _best_tokens_per_sequence(self.reader, approx, best_seqs, m, opt.opponents)
+        exact = exact_scores(self.model, self.reader, q.G, pre, best_seqs, tokens=tokens)
+        ranked = rank_documents(self.reader, exact, opt.aggregation, opponents=opt.opponents, n=opt.n_documents)
+        return exact, len(approx.tok), ranked
+
+    def _exhaustive(self, q: Query, opt: QueryOptions, pre: Preconditioner) -> tuple[TokenScores, int, list]:
+        self._check_exact()
+        sign = -1.0 if opt.opponents else 1.0
+        tot = exhaustive(self.model, self.reader, [q], pre, sign=sign)[0]
+        per_doc = tot.scores(sign)[opt.aggregation]
+        best_tok = tot.cosine_best_tok if opt.aggregation.startswith("cosine") else tot.raw_best_tok
+        scored = np.nonzero(best_tok >= 0)[0]
+        top = scored[np.argsort(-(sign * per_doc[scored]), kind="stable")[: opt.n_documents]]
+        # the returned documents' best sequences, scored again for their presentation
+        exact = exact_scores(self.model, self.reader, q.G, pre, self.reader.seq_of_tokens(best_tok[top]))
+        where = {int(t): i for i, t in enumerate(exact.tok)}
+        return exact, self.reader.n_tokens, [(where[int(best_tok[d])], float(per_doc[d])) for d in top]
 
     def attribute(self, spec: QuerySpec, options: QueryOptions | None = None) -> Attribution:
         """Top training documents for one query."""
         opt = options or QueryOptions()
         if opt.aggregation not in AGGREGATIONS:
             raise QueryError(f"aggregation: must be one of {list(AGGREGATIONS)}, got {opt.aggregation!r}")
+        if opt.mode not in ("fast", "exact"):
+            raise QueryError(f"mode: must be 'fast' or 'exact', got {opt.mode!r}")
         pre = self.preconditioner(opt.damping)
         t0 = time.perf_counter()
         q = self.encode(spec)
         t1 = time.perf_counter()
-        rows = self.rows(q, opt.mode, pre, opt.n_candidates)
-        t2 = time.perf_counter()
-        scores = score_rows(self.reader, q.G, pre, rows)
-        ranked = rank_documents(self.reader, scores, opt.aggregation, opponents=opt.opponents, n=opt.n_documents)
+        self._candidates_ms = 0.0
+        scores, n_scored, ranked = (self._fast if opt.mode == "fast" else self._exhaustive)(q, opt, pre)
         t3 = time.perf_counter()
         docs = [scored_document(self.reader, self.tokenizer, scores, best, score, rank, opponents=opt.opponents)
                 for rank, (best, score) in enumerate(ranked, 1)]
         t4 = time.perf_counter()
-        ms = Timings(1e3 * (t1 - t0), 1e3 * (t2 - t1), 1e3 * (t3 - t2), 1e3 * (t4 - t3), 1e3 * (t4 - t0))
-        return Attribution(opt.mode, opt.aggregation, pre.damping, q.info(), docs, q.per_token, ms, int(len(rows)))
+        cand = self._candidates_ms
+        ms = Timings(1e3 * (t1 - t0), cand, 1e3 * (t3 - t1) - cand, 1e3 * (t4 - t3), 1e3 * (t4 - t0))
+        return Attribution(opt.mode, opt.aggregation, pre.damping, q.info(), docs, q.per_token, ms, int(n_scored))
 
     def document_scores(self, q: Query, mode: Mode = "exact", n_candidates: int = 256,
-                        damping: float | None = None) -> dict[Aggregation, np.ndarray]:
+                        damping: float | None = None, exact_rerank: int = 32) -> dict[Aggregation, np.ndarray]:
         """Every document's score for one encoded query under each aggregation (0 where a document has
-        no scored token); what the evaluation uses."""
+        no scored token); what the evaluation uses. ``fast``: the shortlisted documents' exact scores,
+        the other candidates' approximate ones."""
         pre = self.preconditioner(damping)
-        return document_scores(self.reader, score_rows(self.reader, q.G, pre, self.rows(q, mode, pre, n_candidates)))
+        if mode == "exact":
+            self._check_exact()
+            return exhaustive(self.model, self.reader, [q], pre)[0].scores(1.0)
+        opt = QueryOptions(n_candidates=n_candidates, damping=damping, exact_rerank=exact_rerank)
+        seqs = self.candidate_sequences(q, n_candidates, damping)
+        out = document_scores(self.reader, approx_scores(self.reader, q.G, pre, self.reader.rows_of_sequences(seqs)))
+        exact, _, _ = self._fast(q, opt, pre)
+        ex = document_scores(self.reader, exact)
+        hit = np.zeros(self.reader.n_docs, dtype=bool)
+        hit[self.reader.doc_of_seqs(self.reader.seq_of_tokens(exact.tok))] = True
+        return {k: np.where(hit, ex[k], v) for k, v in out.items()}

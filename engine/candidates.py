@@ -1,12 +1,18 @@
-"""Which training rows a query scores: every row sharing a prototype with it (exact), or the rows
-of candidate sequences from two first stages (fast).
+"""Which training tokens a query scores: the fast path's first stages (DESIGN §2, "Cached / fast").
 
-Fast, united: FAISS's ``n_candidates`` nearest sequences by the sketch embedding (a whole window's
-gradient), and the sequences of the ``token_candidates`` best single tokens found in the posting
-lists of the query's heaviest prototypes (by their part of ``I(q, q)``, at most
-``proto_candidates`` of them and ``row_budget`` rows). The second stage finds documents whose one
-token matches strongly while the rest of the window does not, which the window-level sketch
-ranks poorly. The rows of the candidates are then scored exactly.
+Two stages, united, both sublinear in the corpus:
+
+- **posting lists**: the query's heaviest prototypes (by their part of ``I(q, q)``) and, inside
+  each, the cells of token-vector direction closest to the query's column for that prototype;
+  (prototype, cell) lists are visited best first and read strongest-first, under a row budget that
+  is checked against the lists' sizes (read from their offsets) before anything is read. The read
+  tokens are scored approximately and the sequences of the best ``token_candidates`` join the
+  candidates: this finds documents whose one token matches while the rest of the window does not.
+- **FAISS**: the ``n_candidates`` sequences nearest to the query by the sketch of a whole window's
+  gradient, searched in every shard's FAISS part (``nprobe`` cells of an IVF index).
+
+The candidates' tokens are then scored approximately, the best documents shortlisted, and those
+re-ranked exactly (``engine/attributor.py``).
 """
 
 from __future__ import annotations
@@ -16,43 +22,61 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from .reader import IndexReader
-from .scoring import Preconditioner, score_rows
+from .reader import IndexReader, ranges
+from .scoring import Preconditioner, approx_scores
 
 
 @dataclass(frozen=True)
 class FirstStages:
-    """Settings of the fast path's token-level first stage; ``proto_candidates=0`` turns it off."""
+    """Settings of the token-level first stage; ``proto_candidates=0`` turns it off."""
 
-    proto_candidates: int = 8
-    token_candidates: int = 128
-    row_budget: int = 1 << 15
-
-
-def exact_rows(reader: IndexReader, G: torch.Tensor) -> np.ndarray:
-    """Activation rows of every training token sharing a prototype with the query."""
-    protos = (G.abs().sum(1) > 0).nonzero().flatten().tolist()
-    return np.concatenate([reader.posting(p) for p in protos] or [np.zeros(0, np.int64)])
+    proto_candidates: int = 64  # heaviest query prototypes whose lists are read
+    token_candidates: int = 512  # best tokens whose sequences become candidates
+    row_budget: int = 1 << 15  # posting entries read at most, over every shard
 
 
-def fast_rows(reader: IndexReader, G: torch.Tensor, pre: Preconditioner, n_candidates: int,
-              stages: FirstStages) -> tuple[np.ndarray, np.ndarray]:
-    """(candidate sequences, their activation rows) of the fast path."""
-    seqs = reader.search(G * pre.inv.sqrt(), n_candidates)
+def posting_tokens(reader: IndexReader, G: torch.Tensor, pre: Preconditioner, stages: FirstStages) -> np.ndarray:
+    """The posting-list entries (global token rows) the token stage reads for one query."""
+    weight = (G * G * pre.inv).sum(1)  # each prototype's part of I(q, q)
+    heavy = torch.argsort(weight, descending=True)[: stages.proto_candidates]
+    heavy = heavy[weight[heavy] > 0]
+    if len(heavy) == 0 or not reader.shards:
+        return np.zeros(0, np.int64)
+    # the query's direction for each heavy prototype, in the space the cells live in
+    dirs = (G[heavy] * pre.inv[heavy]).float() / reader.calib.codec_scale
+    dirs = dirs / dirs.norm(dim=1, keepdim=True).clamp_min(1e-12)
+    priority = (weight[heavy].sqrt()[:, None] * (dirs @ reader.calib.cells.T)).numpy()  # (P, C)
+    C = reader.n_cells
+    groups = (heavy.numpy()[:, None] * C + np.arange(C)[None, :]).reshape(-1)  # (P * C,) list ids
+    ranked = groups[np.argsort(-priority.reshape(-1), kind="stable")]
+    # lists best first, as many as the budget holds: their lengths over the whole index are known
+    # before anything is read (``reader.list_sizes``); then each shard's part of the chosen lists
+    total = reader.list_sizes[ranked]
+    upto = np.cumsum(total)
+    n_full = int(np.searchsorted(upto, stages.row_budget, side="right"))  # lists read whole
+    room = stages.row_budget - (int(upto[n_full - 1]) if n_full else 0)
+    g = ranked[: n_full + (1 if n_full < len(ranked) and room > 0 else 0)]
+    take = np.stack([sh.post_offsets[g + 1].astype(np.int64) - sh.post_offsets[g] for sh in reader.shards])
+    if len(g) > n_full:  # the last list: the strongest entries of each shard's part, in proportion
+        take[:, -1] = np.floor(take[:, -1] * room / max(int(total[n_full]), 1)).astype(np.int64)
+    parts = []
+    for s, sh in enumerate(reader.shards):
+        live = take[s] > 0
+        if live.any():
+            start = sh.post_offsets[g[live]].astype(np.int64)
+            idx = ranges(start, start + take[s, live])
+            parts.append(reader.tok_base[s] + sh.post_tokens[idx].astype(np.int64))
+    return np.unique(np.concatenate(parts)) if parts else np.zeros(0, np.int64)
+
+
+def candidate_sequences(reader: IndexReader, G: torch.Tensor, pre: Preconditioner, n_candidates: int,
+                        stages: FirstStages, nprobe: int | None = None) -> np.ndarray:
+    """The fast path's candidate sequences (global ids) for one query."""
+    seqs = reader.search(G * pre.inv.sqrt(), n_candidates, nprobe) if n_candidates > 0 else np.zeros(0, np.int64)
     if stages.proto_candidates > 0 and stages.token_candidates > 0:
-        weight = (G * G * pre.inv).sum(1)  # each prototype's part of I(q, q)
-        heavy = torch.argsort(weight, descending=True)[: stages.proto_candidates]
-        lists: list[np.ndarray] = []
-        n = 0
-        for p in heavy[weight[heavy] > 0].tolist():
-            rows_p = reader.posting(p)
-            if lists and n + len(rows_p) > stages.row_budget:
-                continue
-            lists.append(rows_p)
-            n += len(rows_p)
-        if lists:
-            s = score_rows(reader, G, pre, np.concatenate(lists))
+        tok = posting_tokens(reader, G, pre, stages)
+        if len(tok):
+            s = approx_scores(reader, G, pre, tok)
             best = s.tok[np.argsort(-s.cos, kind="stable")[: stages.token_candidates]]
-            seqs = np.concatenate([seqs, reader.tok_seq[best]])
-    seqs = np.unique(seqs)
-    return seqs, reader.rows_of_sequences(seqs)
+            seqs = np.concatenate([seqs, reader.seq_of_tokens(best)])
+    return np.unique(seqs)

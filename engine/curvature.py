@@ -1,30 +1,28 @@
 """Local curvature in prototype space, stored EK-FAC style (DESIGN §2).
 
 The per-prototype empirical Fisher block ``H_i = (1/N) sum_t a_{t,i}^2 u_t u_t^T`` is kept as a
-shared eigenbasis ``Q`` (of ``S = sum_t u_t u_t^T``, fitted on the first ``basis_sequences``
-sequences) and per-prototype eigenvalue corrections ``lambda_i = (1/N) sum_t a_{t,i}^2 (Q^T u_t)^2``,
-so ``H_i ~= Q diag(lambda_i) Q^T``. Given Q, the corrections are additive over shards, and they
-are exactly the best diagonal approximation of ``H_i`` in that basis.
+shared eigenbasis ``Q`` (of ``S = sum_t u_t u_t^T``) and per-prototype eigenvalue corrections
+``lambda_i = (1/N) sum_t a_{t,i}^2 (Q^T u_t)^2``, so ``H_i ~= Q diag(lambda_i) Q^T``. Given Q, the
+corrections are additive over tokens (``CurvatureStats``), and they are exactly the best
+diagonal approximation of ``H_i`` in that basis.
 
-Memory: ``Q`` is d x d, the corrections K x r_u (r_u = d unless ``u_rank`` truncates them), in
-float32: ``4 (d^2 + K r_u)`` bytes, 1.3 MB at d=256, K=1024.
+Memory: ``Q`` is d x d and the corrections K x d, in float32: ``4 (d^2 + K d)`` bytes, 1.3 MB at
+d=256, K=1024.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
-from safetensors.torch import load_file, save
 
-from .layout import atomic_write_bytes
+from .tokens import TokenBatch
 
 
 @dataclass
 class Curvature:
-    Q: torch.Tensor  # (d, d) eigenbasis, columns by descending eigenvalue of the basis sample
-    lam: torch.Tensor  # (K, r_u) per-prototype eigenvalue corrections, (1/N) sum a^2 (Q^T u)^2
+    Q: torch.Tensor  # (d, d) eigenbasis, columns by descending eigenvalue
+    lam: torch.Tensor  # (K, d) per-prototype eigenvalue corrections, (1/N) sum a^2 (Q^T u)^2
     damping: torch.Tensor  # () the absolute damping lambda added to every eigenvalue
     n_tokens: int
 
@@ -33,29 +31,22 @@ class Curvature:
         return self.lam.shape[1]
 
     def inv_sqrt(self) -> torch.Tensor:
-        """(K, r_u) diagonal of (H_i + lambda I)^{-1/2} in the Q basis."""
+        """(K, d) diagonal of (H_i + lambda I)^{-1/2} in the Q basis."""
         return (self.lam + self.damping).rsqrt()
 
     def inv(self) -> torch.Tensor:
-        """(K, r_u) diagonal of (H_i + lambda I)^{-1} in the Q basis."""
+        """(K, d) diagonal of (H_i + lambda I)^{-1} in the Q basis."""
         return 1.0 / (self.lam + self.damping)
-
-    def save(self, path: Path, **extra: torch.Tensor) -> None:
-        t = {"Q": self.Q, "lam": self.lam, "damping": self.damping.reshape(1),
-             "n_tokens": torch.tensor([self.n_tokens], dtype=torch.float64), **extra}
-        atomic_write_bytes(path, save({k: v.contiguous().float() if k != "n_tokens" else v for k, v in t.items()}))
-
-    @classmethod
-    def load(cls, path: Path) -> Curvature:
-        t = load_file(str(path))
-        return cls(t["Q"], t["lam"], t["damping"][0], int(t["n_tokens"][0]))
 
 
 def fit_basis(S: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Eigenbasis of a symmetric PSD matrix, columns sorted by descending eigenvalue."""
+    """Eigenbasis of a symmetric PSD matrix, columns sorted by descending eigenvalue, each column's
+    sign fixed (its largest entry positive) so that equal inputs give equal bases."""
     evals, evecs = torch.linalg.eigh(S.double())
     order = evals.argsort(descending=True)
-    return evecs[:, order].float(), evals[order].float()
+    Q = evecs[:, order]
+    sign = torch.sign(Q.gather(0, Q.abs().argmax(0, keepdim=True)))
+    return (Q * sign).float(), evals[order].float()
 
 
 def finalize(Q: torch.Tensor, lam_sum: torch.Tensor, count: torch.Tensor, n_tokens: int, damping: float) -> Curvature:
@@ -65,3 +56,49 @@ def finalize(Q: torch.Tensor, lam_sum: torch.Tensor, count: torch.Tensor, n_toke
     used = count > 0
     mean_eig = lam[used].mean() if used.any() else lam.mean()
     return Curvature(Q.float(), lam, (damping * mean_eig).float(), n_tokens)
+
+
+class CurvatureStats:
+    """Additive (and one max-merged) statistics of a set of tokens: the curvature sums in the basis
+    Q, prototype usage, and the grounding and loss sums the indexer reports."""
+
+    def __init__(self, K: int, d: int) -> None:
+        self.S = torch.zeros(d, d, dtype=torch.float64)  # sum_t u_t u_t^T
+        self.lam = torch.zeros(K, d, dtype=torch.float64)  # sum_t a_{t,i}^2 (Q^T u_t)^2
+        self.count = torch.zeros(K, dtype=torch.float64)  # tokens where i is active (a > 0)
+        self.mass = torch.zeros(K, dtype=torch.float64)  # sum_t a_{t,i}
+        self.max_cos = torch.full((K,), -1.0, dtype=torch.float64)  # max-merged
+        self.scalars = torch.zeros(3, dtype=torch.float64)  # n_tokens, sum loss, sum top cos
+
+    def add(self, tb: TokenBatch, ut: torch.Tensor) -> None:
+        """Add a batch's tokens; ``ut`` (N, d) is ``Q^T u_t``."""
+        u = tb.u.double().cpu()
+        self.S += u.T @ u
+        a = tb.acts.double().cpu()
+        proto = tb.proto_idx.cpu()
+        sq = ut.double().cpu().pow(2)  # (N, d)
+        for j in range(a.shape[1]):  # k small: avoids an (N k, d) temporary
+            self.lam.index_add_(0, proto[:, j], a[:, j : j + 1].pow(2) * sq)
+        self.count.index_add_(0, proto.reshape(-1), (a.reshape(-1) > 0).double())
+        self.mass.index_add_(0, proto.reshape(-1), a.reshape(-1))
+        self.max_cos = torch.maximum(self.max_cos, tb.proto_max_cos.double().cpu())
+        self.scalars += torch.tensor([len(tb.u), float(tb.loss.sum()), float(tb.top_cos.sum())], dtype=torch.float64)
+
+    def merge(self, other: CurvatureStats) -> None:
+        for name in ("S", "lam", "count", "mass", "scalars"):
+            getattr(self, name).add_(getattr(other, name))
+        self.max_cos = torch.maximum(self.max_cos, other.max_cos)
+
+    @property
+    def n_tokens(self) -> int:
+        return int(self.scalars[0])
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        return {k: getattr(self, k) for k in ("S", "lam", "count", "mass", "max_cos", "scalars")}
+
+    @classmethod
+    def from_tensors(cls, t: dict[str, torch.Tensor]) -> CurvatureStats:
+        self = cls.__new__(cls)
+        for k, v in t.items():
+            setattr(self, k, v.double())
+        return self

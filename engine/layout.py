@@ -1,18 +1,34 @@
-"""What an index is on disk: its build configuration, the manifest, explicit Parquet schemas and
-atomic part files. The indexer writes this layout; the engine and the service read it.
+"""What an index is on disk: its build configuration, the manifest, and the files of each shard.
+The indexer writes this layout; the engine and the service read it.
 
-    INDEX_DIR/
-      manifest.json                 format, hashes, config, corpus fingerprint, shards, counts, timings
-      documents/part-00000.parquet  one row per training document
-      sequences/part-00000.parquet  one row per model-length window (with its token ids)
-      activations/part-00000.parquet  one row per token x active prototype
-      token_grads/part-00000.parquet  one row per token: Q^T u_t (float16)
-      stats/part-00000.safetensors  additive curvature statistics of the shard
-      prototypes.parquet, vocab.parquet, curvature.safetensors
-      embeddings/part-00000.npy, faiss.index
+An index is a set of self-contained shards plus a manifest. A shard holds the documents of one
+work unit of the corpus (a byte range of a JSONL file, row groups of a Parquet file, a batch of
+text files); it is built independently (by a Ray worker, or later, to append new documents) and
+published by writing its ``shard.json`` last. Ids inside a shard are local (0-based); global ids
+are the shard's offset (the counts of the shards before it, in unit order) plus the local id.
 
-Every file is written under a temporary name, fsynced, and renamed into place; the manifest is
-rewritten the same way and lists only shards whose every part is in place.
+    INDEX/
+      manifest.json             format, identity, config, work units, calibration, shards, summary
+      calibration.safetensors   curvature basis Q and corrections lam (the index curvature), the
+                                token-vector codebooks, posting cells, activation ranges
+      faiss_template.index      the trained, empty FAISS index every shard's part starts from
+      prototypes.parquet, vocab.parquet, stats.safetensors (the shards' statistics, summed)
+      shards/u000000/
+        documents.parquet       doc, external_id, source, title, url, text, n_tokens, trained
+        sequences.parquet       seq, doc, start_token, n_tokens, tok0
+        seq_tok0.npy seq_doc.npy seq_start.npy seq_last_target.npy     per sequence
+        tokens.npy protos.npy acts.npy codes.npy self.npy               per token (memory-mapped)
+        post_offsets.npy post_tokens.npy                                posting lists
+        faiss.index  shard.json (written last)
+        stats.safetensors       the shard's additive statistics, until the reduce folds them into the
+                                index's stats.safetensors (which records the units it holds)
+
+Per token: the input token id (uint16 when the vocabulary allows), the k active prototypes
+(uint16 up to 65,536 prototypes) and their activations (uint8 on a per-prototype log scale; 0 =
+inactive), the packed codes of the token vector (``engine/codec.py``), and ``I(t, t)`` (float16,
+scaled by the shard's ``self_scale``). Posting lists hold, for each prototype and cell of the
+token-vector direction, the tokens for which that prototype carries most of ``I(t, t)``,
+strongest first. Every file is written under a temporary name, fsynced and renamed.
 """
 
 from __future__ import annotations
@@ -24,117 +40,131 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
 from prism_tda.config import Config
-from prism_tda.errors import ConfigError, PrismError
+from prism_tda.config import check as _check
+from prism_tda.corpus import WorkUnit
+from prism_tda.errors import PrismError
 from prism_tda.fsutil import atomic_write_bytes, fsync_dir
 
 FORMAT = "prism-tda-index"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
 MANIFEST = "manifest.json"
+SHARD_INFO = "shard.json"
+SHARDS = "shards"
+CALIBRATION = "calibration.safetensors"
+FAISS_TEMPLATE = "faiss_template.index"
+POST_SIZES = "post_sizes.npy"  # each posting list's entries over every shard (written by the reduce)
+DOC_ROW_GROUP = 1024  # documents per Parquet row group: a document is read by its row group
 
 
 @dataclass(frozen=True)
 class IndexConfig(Config):
-    """How the corpus is cut, run through the model, and summarised.
+    """How the corpus is cut, run through the model, summarised and stored.
 
-    Fields that change the stored rows or statistics are part of the index's identity: an index
-    built with other values is refused on resume (see ``IDENTITY_FIELDS``).
+    Fields that change the stored rows are part of the index's identity: an index built with
+    other values is refused on resume or append (see ``IDENTITY_FIELDS``).
     """
 
     stride: int | None = None  # window stride in tokens; None = the model's block_size (no overlap)
     batch_size: int = 32  # sequences per forward batch
-    shard_documents: int = 2000  # documents per shard (the unit of atomic writes and of resumption)
-    basis_sequences: int = 256  # sequences used to fit the shared curvature eigenbasis Q
-    u_rank: int | None = None  # coordinates of Q^T u_t kept per token; None = all d (exact re-rank)
+    shard_bytes: int = 64 << 20  # corpus bytes per work unit (one unit = one shard)
+    calibration_tokens: int = 262_144  # tokens of the sample that fixes curvature, codebooks and cells
     damping: float = 1.0  # lambda = damping * mean eigenvalue of the per-prototype curvature blocks
     embed_dim: int = 64  # JL projection width r of the per-sequence embeddings
     sketch_buckets: int = 16  # count-sketch buckets B over the prototype axis; embedding width r * B
-    faiss_spec: str = "Flat"  # FAISS index_factory string (inner product); e.g. "IVF256,PQ32" when large
-    faiss_train_size: int = 20000  # embeddings sampled to train a non-flat index
-    seed: int = 0  # JL matrix and count-sketch hashing
-    # Activations are stored as float16 rounded to this many mantissa bits (10 = plain float16;
-    # 7 = bfloat16 precision, max relative error 2^-8), which lets zstd shrink the column.
-    act_mantissa_bits: int = 7
+    faiss_spec: str = "auto"  # FAISS factory string; "auto": Flat when small, IVF-PQ when large
+    code_subquantizers: int = 16  # product-quantiser sub-vectors of a token vector
+    code_bits: int = 12  # bits per sub-vector code (8, 12 or 16)
+    posting_entries: int = 2  # posting-list entries per token: its prototypes carrying most of I(t, t)
+    posting_cells: int = 256  # cells of the token-vector direction inside each prototype's list
+    seed: int = 0  # JL matrix, count-sketch hashing, k-means
     dtype: str = "auto"  # auto: bf16 autocast on CUDA, fp32 on CPU
 
     def __post_init__(self) -> None:
-        for name in ("batch_size", "shard_documents", "basis_sequences", "embed_dim", "sketch_buckets",
-                     "faiss_train_size"):
-            if getattr(self, name) <= 0:
-                raise ConfigError(f"index.{name} must be > 0, got {getattr(self, name)}")
-        if self.stride is not None and self.stride <= 0:
-            raise ConfigError(f"index.stride must be > 0, got {self.stride}")
-        if self.u_rank is not None and self.u_rank <= 0:
-            raise ConfigError(f"index.u_rank must be > 0, got {self.u_rank}")
-        if self.damping <= 0:
-            raise ConfigError(f"index.damping must be > 0, got {self.damping}")
-        if not 1 <= self.act_mantissa_bits <= 10:
-            raise ConfigError(f"index.act_mantissa_bits must be in [1, 10], got {self.act_mantissa_bits}")
-        if self.dtype not in ("auto", "fp32", "bf16"):
-            raise ConfigError(f"index.dtype must be auto|fp32|bf16, got {self.dtype!r}")
+        for name in ("batch_size", "shard_bytes", "calibration_tokens", "embed_dim", "sketch_buckets",
+                     "code_subquantizers", "posting_entries", "posting_cells"):
+            _check(getattr(self, name) > 0, f"index.{name} must be > 0, got {getattr(self, name)}")
+        _check(self.stride is None or self.stride > 0, f"index.stride must be > 0, got {self.stride}")
+        _check(self.damping > 0, f"index.damping must be > 0, got {self.damping}")
+        _check(self.code_bits in (8, 12, 16), f"index.code_bits must be 8, 12 or 16, got {self.code_bits}")
+        _check(self.code_bits != 12 or self.code_subquantizers % 2 == 0,
+               "index.code_subquantizers must be even with 12-bit codes (they pack in pairs)")
+        _check(self.dtype in ("auto", "fp32", "bf16"), f"index.dtype must be auto|fp32|bf16, got {self.dtype!r}")
 
 
-# Fields whose change alters rows or statistics (batch_size, shard size and dtype on CPU do not
-# change any row; shard_documents changes file layout, so it is part of identity as well).
-IDENTITY_FIELDS = ("stride", "shard_documents", "basis_sequences", "u_rank", "damping", "embed_dim",
-                   "sketch_buckets", "faiss_spec", "seed", "act_mantissa_bits")
+# Fields whose change alters rows (batch size does not; dtype does only on a GPU, and is recorded).
+IDENTITY_FIELDS = ("stride", "shard_bytes", "calibration_tokens", "damping", "embed_dim", "sketch_buckets",
+                   "faiss_spec", "code_subquantizers", "code_bits", "posting_entries", "posting_cells", "seed")
 
 
 @dataclass
-class ShardForward:
-    """What the forward stage wrote for one shard."""
+class ShardInfo:
+    """One complete shard (``shard.json``)."""
 
-    activation_rows: int
-    tokens: int
-    bytes: dict[str, int]
-
-
-@dataclass
-class ShardEntry:
-    """One shard: a contiguous range of documents, sequences and tokens, written atomically."""
-
-    shard: int
-    doc_start: int
+    unit: int
     n_docs: int
-    seq_start: int
     n_seqs: int
     n_tokens: int
-    forward: ShardForward | None = None  # set once every part of the forward stage is in place
-    embedded: bool = False
+    self_scale: float  # I(t, t) is stored as float16 of I / self_scale
+    bytes: dict[str, int]
+    corpus: dict[str, Any]  # the unit's reader counts (records, bad records by reason)
+    seconds: float
+    stats: dict[str, float] = field(default_factory=dict)  # loss, grounding sums of the shard
+
+    @property
+    def name(self) -> str:
+        return f"u{self.unit:06d}"
 
 
 @dataclass
-class Plan:
-    corpus: dict[str, Any]  # the corpus reader's counts (records, bad records by reason)
-    documents: int
-    sequences: int
+class Calibration:
+    """What the calibration sample fixed for every shard."""
+
     tokens: int
+    sequences: int
+    estimated_tokens: int  # the corpus, estimated from its bytes
+    faiss_spec: str
+    faiss_nprobe: int
+    seconds: float
 
 
 @dataclass
 class IndexManifest:
-    """``manifest.json``: what the index was built from, how, and which of its parts are complete."""
+    """``manifest.json``: what the index was built from, how, and which of its shards are complete."""
 
-    identity: dict[str, Any]  # what must match for a run to resume this index (see indexer.run.identity)
+    identity: dict[str, Any]  # what must match to resume or append (see indexer.run.identity)
     checkpoint: str
     corpus: list[str]
     config: IndexConfig
     model: dict[str, Any]  # the checkpoint's model config
     versions: dict[str, str]
-    plan: Plan | None = None
-    shards: list[ShardEntry] = field(default_factory=list)
+    units: list[WorkUnit] = field(default_factory=list)
+    calibration: Calibration | None = None
+    shards: list[ShardInfo] = field(default_factory=list)  # complete shards, in unit order
     complete: bool = False
     timings: dict[str, float] = field(default_factory=dict)
-    summary: dict[str, Any] | None = None  # counts, bytes, grounding and timings of the finished index
+    summary: dict[str, Any] | None = None
     format: str = FORMAT
     format_version: int = FORMAT_VERSION
 
     @property
     def documents(self) -> int:
-        return self.plan.documents if self.plan else 0
+        return sum(s.n_docs for s in self.shards)
+
+    @property
+    def sequences(self) -> int:
+        return sum(s.n_seqs for s in self.shards)
+
+    @property
+    def tokens(self) -> int:
+        return sum(s.n_tokens for s in self.shards)
+
+    def add_shard(self, info: ShardInfo) -> None:
+        self.shards = sorted([s for s in self.shards if s.unit != info.unit] + [info], key=lambda s: s.unit)
 
     def to_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)
@@ -143,22 +173,49 @@ class IndexManifest:
 
     @classmethod
     def from_dict(cls, d: dict[str, Any], *, where: str = MANIFEST) -> IndexManifest:
+        if d.get("format") != FORMAT or d.get("format_version") != FORMAT_VERSION:
+            raise PrismError(f"{where}: format {d.get('format')!r} version {d.get('format_version')!r} is not "
+                             f"{FORMAT!r} version {FORMAT_VERSION}; rebuild the index with this version "
+                             "(delete it and run the same `prism index` command)")
         try:
-            if d.get("format") != FORMAT or d.get("format_version") != FORMAT_VERSION:
-                raise PrismError(f"{where}: format {d.get('format')!r} version {d.get('format_version')!r} is not "
-                                 f"{FORMAT!r} version {FORMAT_VERSION}; rebuild the index with this version")
-            shards = [ShardEntry(**{**s, "forward": ShardForward(**s["forward"]) if s.get("forward") else None})
-                      for s in d["shards"]]
             return cls(identity=d["identity"], checkpoint=d["checkpoint"], corpus=d["corpus"],
                        config=IndexConfig.from_dict(d["config"], where=f"{where}: config"), model=d["model"],
-                       versions=d["versions"], plan=Plan(**d["plan"]) if d.get("plan") else None, shards=shards,
-                       complete=bool(d.get("complete")), timings=d.get("timings", {}), summary=d.get("summary"))
+                       versions=d["versions"], units=[WorkUnit(**u) for u in d.get("units", [])],
+                       calibration=Calibration(**d["calibration"]) if d.get("calibration") else None,
+                       shards=[ShardInfo(**s) for s in d.get("shards", [])], complete=bool(d.get("complete")),
+                       timings=d.get("timings", {}), summary=d.get("summary"))
         except (KeyError, TypeError) as e:
             raise PrismError(f"{where}: malformed manifest ({type(e).__name__}: {e})") from None
 
 
+def posting_list_sizes(offsets: list[np.ndarray], n_lists: int) -> np.ndarray:
+    """Entries of each posting list summed over shards, from the shards' list offsets."""
+    out = np.zeros(n_lists, dtype=np.int64)
+    for off in offsets:
+        sizes: np.ndarray = np.diff(np.asarray(off, dtype=np.int64))
+        out += sizes
+    return out
+
+
+# ------------------------------------------------------------------------------ FAISS ids
+FAISS_UNIT_SHIFT = 32  # a shard's FAISS ids: (work unit << 32) | local sequence id
+
+
+def faiss_ids(unit: int, local_seqs: np.ndarray) -> np.ndarray:
+    """FAISS ids of a shard's sequences: they name the shard (by its work unit, known before the
+    shard is built, unlike its global offset), so every shard's lists can be searched as one."""
+    return (np.int64(unit) << FAISS_UNIT_SHIFT) | local_seqs.astype(np.int64)
+
+
+def split_faiss_ids(ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(work unit, local sequence id) of FAISS ids."""
+    ids = np.asarray(ids, dtype=np.int64)
+    return ids >> FAISS_UNIT_SHIFT, ids & ((1 << FAISS_UNIT_SHIFT) - 1)
+
+
+# ------------------------------------------------------------------------------ tables
 def id_type(max_value: int) -> pa.DataType:
-    """Narrowest integer type that holds ids in [0, max_value)."""
+    """Narrowest signed integer type that holds ids in [0, max_value)."""
     if max_value <= 2**15:
         return pa.int16()
     if max_value <= 2**31:
@@ -166,34 +223,33 @@ def id_type(max_value: int) -> pa.DataType:
     return pa.int64()
 
 
-def schemas(vocab_size: int, n_prototypes: int, u_dim: int) -> dict[str, pa.Schema]:
+def np_id_type(max_value: int) -> np.dtype:
+    """Narrowest unsigned numpy type for ids in [0, max_value) (token and prototype arrays)."""
+    return np.dtype(np.uint16) if max_value <= 2**16 else np.dtype(np.uint32)
+
+
+def schemas(vocab_size: int, n_prototypes: int) -> dict[str, pa.Schema]:
     tok, proto = id_type(vocab_size), id_type(n_prototypes)
     return {
         "documents": pa.schema([
-            ("doc_id", pa.int32()), ("external_id", pa.string()), ("source", pa.string()),
-            ("title", pa.string()), ("url", pa.string()), ("text", pa.string()), ("n_tokens", pa.int32()),
+            ("doc", pa.int32()), ("external_id", pa.string()), ("source", pa.string()), ("title", pa.string()),
+            ("url", pa.string()), ("text", pa.string()), ("n_tokens", pa.int32()), ("trained", pa.bool_()),
         ]),
         "sequences": pa.schema([
-            ("seq_id", pa.int32()), ("doc_id", pa.int32()), ("start_token", pa.int32()),
-            ("n_tokens", pa.int16()), ("token_ids", pa.list_(tok)), ("target_ids", pa.list_(tok)),
-        ]),
-        "activations": pa.schema([
-            ("seq_id", pa.int32()), ("pos", pa.int16()), ("token_id", tok), ("proto_id", proto),
-            ("act", pa.float16()), ("doc_id", pa.int32()),
-        ]),
-        "token_grads": pa.schema([
-            ("seq_id", pa.int32()), ("pos", pa.int16()), ("u", pa.list_(pa.float16(), u_dim)),
+            ("seq", pa.int32()), ("doc", pa.int32()), ("start_token", pa.int32()), ("n_tokens", pa.int16()),
+            ("tok0", pa.int64()),
         ]),
         "prototypes": pa.schema([
             ("proto_id", proto), ("n_tokens", pa.int64()), ("mass", pa.float64()), ("mean_act", pa.float32()),
             ("top_tokens", pa.list_(pa.string())), ("label", pa.string()),
+            ("act_lo", pa.float32()), ("act_hi", pa.float32()),  # the log scale of the stored activations
         ]),
         "vocab": pa.schema([("token_id", tok), ("token", pa.string())]),
     }
 
 
-def part_name(shard: int, suffix: str = "parquet") -> str:
-    return f"part-{shard:05d}.{suffix}"
+def shard_dir(index_dir: Path, unit: int) -> Path:
+    return Path(index_dir) / SHARDS / f"u{unit:06d}"
 
 
 def write_table(path: Path, table: pa.Table, **kwargs: Any) -> int:
@@ -202,6 +258,19 @@ def write_table(path: Path, table: pa.Table, **kwargs: Any) -> int:
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     pq.write_table(table, tmp, compression="zstd", compression_level=6, **kwargs)
     with open(tmp, "rb+") as fh:
+        os.fsync(fh.fileno())
+    os.replace(tmp, path)
+    fsync_dir(path.parent)
+    return path.stat().st_size
+
+
+def write_array(path: Path, array: np.ndarray) -> int:
+    """Write a ``.npy`` file atomically (readers memory-map it); return its size in bytes."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    with open(tmp, "wb") as fh:
+        np.save(fh, np.ascontiguousarray(array), allow_pickle=False)
+        fh.flush()
         os.fsync(fh.fileno())
     os.replace(tmp, path)
     fsync_dir(path.parent)
@@ -222,6 +291,15 @@ def read_manifest(index_dir: Path) -> IndexManifest | None:
 
 def write_manifest(index_dir: Path, manifest: IndexManifest) -> None:
     atomic_write_bytes(Path(index_dir) / MANIFEST, json.dumps(manifest.to_dict(), indent=2, sort_keys=True).encode())
+
+
+def read_shard_info(path: Path) -> ShardInfo | None:
+    f = Path(path) / SHARD_INFO
+    return ShardInfo(**json.loads(f.read_text())) if f.is_file() else None
+
+
+def write_shard_info(path: Path, info: ShardInfo) -> None:
+    atomic_write_bytes(Path(path) / SHARD_INFO, json.dumps(dataclasses.asdict(info), indent=2).encode())
 
 
 def clean_temporaries(index_dir: Path) -> int:

@@ -17,14 +17,15 @@ MAX_HIGHLIGHTS = 8
 def scored_document(reader: IndexReader, tokenizer: Tokenizer, scores: TokenScores, best: int, score: float,
                     rank: int, *, opponents: bool) -> ScoredDocument:
     """The document whose best token is ``scores.tok[best]``: the snippet is the predicted tokens of
-    the rows around it; highlights are the snippet's tokens that share prototypes with the query and
-    push the same way, weighted by their influence relative to the best token."""
+    the rows around it; highlights are the snippet's scored tokens that push the same way, weighted
+    by their influence relative to the best token."""
     sign = -1.0 if opponents else 1.0
     t_best = int(scores.tok[best])
-    seq = int(reader.tok_seq[t_best])
-    t0, t1 = int(reader.seq_tok0[seq]), int(reader.seq_tok0[seq + 1])
+    seq = int(reader.seq_of_tokens(np.array([t_best]))[0])
+    t0, t1, start = reader.seq_span(seq)
     lo, hi = max(t0, t_best - WINDOW), min(t1, t_best + WINDOW + 1)
-    ids = reader.tok_target[lo:hi].tolist()  # the best row's target sits inside the snippet
+    _, targets = reader.sequence_tokens(seq)
+    ids = targets[lo - t0 : hi - t0]  # the best row's target sits inside the snippet
     offsets = [len(tokenizer.decode(ids[:n])) for n in range(len(ids) + 1)]
     snippet = tokenizer.decode(ids)
     tok, raw = scores.tok, scores.raw
@@ -34,17 +35,14 @@ def scored_document(reader: IndexReader, tokenizer: Tokenizer, scores: TokenScor
     highlights = []
     for c in sorted(near, key=lambda c: tok[c]):
         n = int(tok[c]) - lo
-        start, end = offsets[n], offsets[n + 1]
-        if end > start:
-            highlights.append(Highlight(start, end, snippet[start:end], float(sign * raw[c] / best_raw), int(tok[c])))
-    mine = scores.row_owner == best
-    protos = reader.row_proto[scores.rows[mine]]
-    vals = sign * scores.row_val[mine]
+        a, b = offsets[n], offsets[n + 1]
+        if b > a:
+            highlights.append(Highlight(a, b, snippet[a:b], float(sign * raw[c] / best_raw), int(tok[c])))
+    vals = sign * scores.slot_val[best]
     total = float(np.abs(vals).sum()) or 1.0
-    carry = sorted((ProtoShare(int(p), float(v / total)) for p, v in zip(protos, vals, strict=True)),
-                   key=lambda d: -d.share)
-    doc = int(reader.seq_doc[seq])
+    carry = sorted((ProtoShare(int(p), float(v / total)) for p, v in zip(scores.protos[best], vals, strict=True)
+                    if v != 0), key=lambda d: -d.share)
+    doc = int(reader.doc_of_seqs(np.array([seq]))[0])
     return ScoredDocument(rank=rank, doc_id=doc, external_id=reader.external_id(doc), score=score,
                           raw_influence=float(raw[best]), seq_id=seq, token_row=t_best,
-                          position=int(reader.seq_start[seq]) + t_best - t0, snippet=snippet,
-                          highlights=highlights, prototypes=carry)
+                          position=start + t_best - t0, snippet=snippet, highlights=highlights, prototypes=carry)

@@ -1,41 +1,42 @@
-"""Reading an index for queries: its manifest, curvature, FAISS index and training-token rows.
+"""Reading an index for queries: the manifest, the calibration, and every shard's files through
+memory maps, so opening costs O(shards), not O(tokens), and the OS page cache (not the process)
+holds what queries touch.
 
-Rows are addressed by two integer spaces:
-
-- token rows: one per training token, in (``seq_id``, ``pos``) order; ``u[t]`` is ``Q^T u_t``;
-- activation rows: one per (token, active prototype), in the same order, with ``row_tok``,
-  ``row_proto`` and ``row_act``; posting lists group them by prototype.
+Ids are global: a shard's tokens, sequences and documents follow those of the shards before it
+(in work-unit order). Token rows are addressed globally (``tok_base[s] + local``).
 """
 
 from __future__ import annotations
 
+import functools
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
-import pyarrow.compute as pc
 import pyarrow.parquet as pq
 import torch
 
 from prism_tda.errors import PrismError
 
 from . import layout
-from .curvature import Curvature
-from .layout import IndexManifest
+from .calibration import IndexCalibration
+from .layout import DOC_ROW_GROUP, IndexManifest, ShardInfo
 from .sketch import Sketch, normalise
 
-KEY = 1 << 16  # positions within a sequence are below this (int16 column): seq_id * KEY + pos is unique
+DOC_GROUPS_CACHED = 16  # decoded Parquet row groups of documents kept, over every shard
+ARRAYS = ("tokens", "protos", "acts", "codes", "self", "post_offsets", "post_tokens", "proto_top", "seq_tok0",
+          "seq_doc", "seq_start", "seq_last_target")
 
 
-def open_faiss(index_dir: Path):
-    """The FAISS index, memory-mapped where FAISS supports it for the spec."""
+def open_faiss(path: Path):
+    """A FAISS index file, memory-mapped where FAISS supports it for the spec."""
     import faiss
 
-    path = str(Path(index_dir) / "faiss.index")
     try:
-        return faiss.read_index(path, faiss.IO_FLAG_MMAP | faiss.IO_FLAG_READ_ONLY)
+        return faiss.read_index(str(path), faiss.IO_FLAG_MMAP | faiss.IO_FLAG_READ_ONLY)
     except RuntimeError:
-        return faiss.read_index(path)
+        return faiss.read_index(str(path))
 
 
 def read_complete_manifest(index_dir: Path) -> IndexManifest:
@@ -46,19 +47,84 @@ def read_complete_manifest(index_dir: Path) -> IndexManifest:
     return m
 
 
+class Shard:
+    """One shard's memory-mapped arrays, FAISS part and documents."""
+
+    tokens: np.ndarray
+    protos: np.ndarray
+    acts: np.ndarray
+    codes: np.ndarray
+    self: np.ndarray
+    post_offsets: np.ndarray
+    post_tokens: np.ndarray
+    proto_top: np.ndarray
+    seq_tok0: np.ndarray
+    seq_doc: np.ndarray
+    seq_start: np.ndarray
+    seq_last_target: np.ndarray
+
+    def __init__(self, path: Path, info: ShardInfo) -> None:
+        self.path, self.info = path, info
+        for name in ARRAYS:
+            f = path / f"{name}.npy"
+            if not f.is_file():
+                raise PrismError(f"{f}: missing (rebuild the shard: delete {path} and run `prism index` again)")
+            setattr(self, name, np.load(f, mmap_mode="r"))
+        self.faiss = open_faiss(path / "faiss.index")
+        self._docs = pq.ParquetFile(path / "documents.parquet")
+
+    def targets(self, local: np.ndarray) -> np.ndarray:
+        """The token each of the ``local`` rows predicts: the next input token of its window, or the
+        window's stored last target."""
+        seq = np.searchsorted(self.seq_tok0, local, side="right") - 1
+        last = local + 1 >= self.seq_tok0[seq + 1]
+        nxt = np.minimum(local + 1, len(self.tokens) - 1)
+        return np.asarray(np.where(last, self.seq_last_target[seq], self.tokens[nxt]), dtype=np.int64)
+
+    def doc_group(self, group: int) -> dict[str, list]:
+        return self._docs.read_row_group(group).to_pydict()
+
+
+@dataclass
+class TokenData:
+    """What the index stores of a set of tokens (global rows)."""
+
+    protos: np.ndarray  # (n, k) int64
+    acts: np.ndarray  # (n, k) float32, 0 where inactive
+    self_influence: np.ndarray  # (n,) I(t, t) at the index's damping
+    targets: np.ndarray  # (n,) the predicted token
+
+
 class IndexReader:
-    def __init__(self, index_dir: str | Path) -> None:
+    def __init__(self, index_dir: str | Path, W: torch.Tensor) -> None:
+        """``W``: the model's unembedding (the token vectors' exact part, ``engine/codec.py``)."""
         t0 = time.perf_counter()
         self.dir = Path(index_dir)
         self.manifest = read_complete_manifest(self.dir)
         self.cfg = self.manifest.config
-        self.curv = Curvature.load(self.dir / "curvature.safetensors")
+        self.calib = IndexCalibration.load(self.dir / layout.CALIBRATION)
+        self.curv = self.calib.curvature
+        self.codec = self.calib.codec(W)
         self.mean_eig = float(self.curv.damping) / self.cfg.damping  # the damping unit
-        K = self.curv.lam.shape[0]
-        self.sketch = Sketch(K, self.curv.u_dim, self.cfg.embed_dim, self.cfg.sketch_buckets, self.cfg.seed)
-        self.faiss = open_faiss(self.dir)
-        self._load_rows()
-        self.tok_self = self.token_self_influence(np.arange(self.n_tokens), self.inv(self.cfg.damping))
+        self.act_table = self.calib.act_table()
+        self.sketch = Sketch(self.n_prototypes, self.curv.u_dim, self.cfg.embed_dim, self.cfg.sketch_buckets,
+                             self.cfg.seed)
+        self.n_cells = self.calib.cells.shape[0]
+        self.shards = [Shard(layout.shard_dir(self.dir, s.unit), s) for s in self.manifest.shards]
+        counts = np.array([[s.n_tokens, s.n_seqs, s.n_docs] for s in self.manifest.shards], dtype=np.int64)
+        bases = np.zeros((len(self.shards) + 1, 3), dtype=np.int64)
+        np.cumsum(counts, axis=0, out=bases[1:])
+        self.tok_base, self.seq_base, self.doc_base = bases[:, 0], bases[:, 1], bases[:, 2]
+        self.n_tokens, self.n_seqs, self.n_docs = (int(x) for x in bases[-1])
+        self.nprobe = self.manifest.calibration.faiss_nprobe if self.manifest.calibration else 1
+        self.shard_of_unit = np.zeros(max((s.unit for s in self.manifest.shards), default=0) + 1, dtype=np.int64)
+        self.shard_of_unit[[s.unit for s in self.manifest.shards]] = np.arange(len(self.shards))
+        self.stacked = self._stack_ivf()
+        self.list_sizes = self._list_sizes()
+        # decoded document row groups, the most recent few over every shard (bounded memory)
+        self._doc_group = functools.lru_cache(maxsize=DOC_GROUPS_CACHED)(
+            lambda s, g: self.shards[s].doc_group(g))
+        self.k = int(self.manifest.model.get("n_active", self.manifest.model.get("top_k", 8)))
         self.load_seconds = time.perf_counter() - t0
 
     @property
@@ -66,92 +132,181 @@ class IndexReader:
         return self.curv.lam.shape[0]
 
     def inv(self, damping: float) -> torch.Tensor:
-        """(K, u_dim) diagonal of (H_i + damping * mean_eig * I)^{-1} in the Q basis."""
+        """(K, d) diagonal of (H_i + damping * mean_eig * I)^{-1} in the Q basis."""
         return 1.0 / (self.curv.lam + damping * self.mean_eig)
 
-    def _load_rows(self) -> None:
-        parts = sorted((self.dir / "token_grads").glob("part-*.parquet"))
-        self.n_tokens = sum(pq.read_metadata(f).num_rows for f in parts)
-        # Q^T u_t of every training token, read batch by batch into one array (reading the whole
-        # table at once held several copies of it in the Arrow memory pool)
-        self.u = np.empty((self.n_tokens, self.curv.u_dim), dtype=np.float16)
-        tok_seq = np.empty(self.n_tokens, dtype=np.int64)
-        tok_pos = np.empty(self.n_tokens, dtype=np.int64)
-        k = 0
-        for f in parts:
-            for b in pq.ParquetFile(f).iter_batches(batch_size=1 << 14, columns=["seq_id", "pos", "u"],
-                                                    use_threads=False):
-                n = b.num_rows
-                self.u[k : k + n] = b.column(2).flatten().to_numpy(zero_copy_only=False).reshape(n, -1)
-                tok_seq[k : k + n] = b.column(0).to_numpy()
-                tok_pos[k : k + n] = b.column(1).to_numpy()
-                k += n
-        tok_key = tok_seq * KEY + tok_pos
-        seqs = pq.read_table(sorted((self.dir / "sequences").glob("part-*.parquet")),
-                             columns=["seq_id", "doc_id", "start_token", "n_tokens", "target_ids"])
-        self.seq_doc = seqs["doc_id"].to_numpy()
-        self.seq_start = seqs["start_token"].to_numpy()
-        # flat per token row: the token it predicts (what the row's gradient learns)
-        self.tok_target = seqs["target_ids"].combine_chunks().flatten().to_numpy()
-        docs = pq.read_table(sorted((self.dir / "documents").glob("part-*.parquet")), columns=["doc_id", "external_id"])
-        n_docs = int(pc.max(docs["doc_id"]).as_py()) + 1 if docs.num_rows else 0
-        self.doc_external = np.empty(n_docs, dtype=object)
-        self.doc_external[docs["doc_id"].to_numpy()] = docs["external_id"].to_numpy(zero_copy_only=False)
-        self.n_docs = n_docs
-        n_seq = len(self.seq_doc)
-        self.seq_tok0 = np.zeros(n_seq + 1, dtype=np.int64)  # token rows of sequence s: [tok0[s], tok0[s+1])
-        np.cumsum(seqs["n_tokens"].to_numpy(), out=self.seq_tok0[1:])
-        self.tok_seq = tok_seq
-        acts = pq.read_table(sorted((self.dir / "activations").glob("part-*.parquet")),
-                             columns=["seq_id", "pos", "proto_id", "act"])
-        a_key = acts["seq_id"].to_numpy().astype(np.int64) * KEY + acts["pos"].to_numpy()
-        self.row_tok = np.searchsorted(tok_key, a_key)  # activation row -> token row
-        self.row_proto = acts["proto_id"].to_numpy().astype(np.int64)
-        self.row_act = acts["act"].to_numpy().astype(np.float32)
-        self.seq_row0 = np.searchsorted(self.row_tok, self.seq_tok0)  # activation rows of each sequence
-        self.tok_row0 = np.searchsorted(self.row_tok, np.arange(self.n_tokens + 1))  # ... and of each token
-        # posting lists: activation rows grouped by prototype
-        order = np.argsort(self.row_proto, kind="stable")
-        self.post_rows = order
-        self.post_start = np.searchsorted(self.row_proto[order], np.arange(self.n_prototypes + 1))
-
-    # --------------------------------------------------------------------------- rows
-    def token_self_influence(self, tok: np.ndarray, inv: torch.Tensor) -> np.ndarray:
-        """I(t, t) = sum_i a_{t,i}^2 sum_j u_j^2 / (lam_ij + lam) for the token rows ``tok``, in chunks
-        of 32k activation rows (a few MB of temporaries)."""
-        starts, ends = self.tok_row0[tok], self.tok_row0[tok + 1]
-        rows = _ranges(starts, ends)
-        owner = np.repeat(np.arange(len(tok)), ends - starts)  # activation row -> index into tok
-        out = np.zeros(len(tok), dtype=np.float64)
-        for c in range(0, len(rows), 1 << 15):
-            r = rows[c : c + (1 << 15)]
-            u = torch.from_numpy(self.u[self.row_tok[r]]).float()
-            val = self.row_act[r] ** 2 * (u * u * inv[torch.from_numpy(self.row_proto[r])]).sum(1).numpy()
-            out += np.bincount(owner[c : c + (1 << 15)], weights=val, minlength=len(tok))
+    # --------------------------------------------------------------------------- addressing
+    def _split(self, rows: np.ndarray, base: np.ndarray) -> list[tuple[int, np.ndarray, np.ndarray]]:
+        """(shard, positions in ``rows``, local ids) for the global ids ``rows`` per shard."""
+        sh = np.searchsorted(base, rows, side="right") - 1
+        out = []
+        for s in np.unique(sh):
+            at = np.nonzero(sh == s)[0]
+            out.append((int(s), at, rows[at] - base[s]))
         return out
 
+    def token_data(self, tok: np.ndarray) -> TokenData:
+        n, k = len(tok), self.k
+        protos = np.zeros((n, k), dtype=np.int64)
+        acts = np.zeros((n, k), dtype=np.float32)
+        self_inf = np.zeros(n, dtype=np.float64)
+        targets = np.zeros(n, dtype=np.int64)
+        for s, at, local in self._split(tok, self.tok_base):
+            sh = self.shards[s]
+            p = sh.protos[local].astype(np.int64)
+            protos[at] = p
+            acts[at] = self.act_table[p, sh.acts[local]]
+            self_inf[at] = sh.self[local].astype(np.float64) * sh.info.self_scale
+            targets[at] = sh.targets(local)
+        return TokenData(protos, acts, self_inf, targets)
+
+    def token_codes(self, tok: np.ndarray) -> np.ndarray:
+        """The packed codes (n, code_bytes) of the tokens ``tok``."""
+        codes = np.zeros((len(tok), self.codec.code_bytes), dtype=np.uint8)
+        for s, at, local in self._split(tok, self.tok_base):
+            codes[at] = self.shards[s].codes[local]
+        return codes
+
+    def token_vectors(self, tok: np.ndarray, targets: np.ndarray) -> torch.Tensor:
+        """Approximate ``Q^T u_t`` (n, d) of the tokens ``tok`` from their stored codes."""
+        return self.codec.decode(self.token_codes(tok), targets)
+
+    def seq_of_tokens(self, tok: np.ndarray) -> np.ndarray:
+        out = np.zeros(len(tok), dtype=np.int64)
+        for s, at, local in self._split(tok, self.tok_base):
+            out[at] = self.seq_base[s] + np.searchsorted(self.shards[s].seq_tok0, local, side="right") - 1
+        return out
+
+    def doc_of_seqs(self, seqs: np.ndarray) -> np.ndarray:
+        out = np.zeros(len(seqs), dtype=np.int64)
+        for s, at, local in self._split(seqs, self.seq_base):
+            out[at] = self.doc_base[s] + self.shards[s].seq_doc[local]
+        return out
+
+    def seq_span(self, seq: int) -> tuple[int, int, int]:
+        """(first global token row, end row, start position in its document) of one sequence."""
+        s = int(np.searchsorted(self.seq_base, seq, side="right") - 1)
+        local = seq - self.seq_base[s]
+        sh = self.shards[s]
+        base = int(self.tok_base[s])
+        return base + int(sh.seq_tok0[local]), base + int(sh.seq_tok0[local + 1]), int(sh.seq_start[local])
+
     def rows_of_sequences(self, seqs: np.ndarray) -> np.ndarray:
-        """Activation rows of the given sequences."""
-        return _ranges(self.seq_row0[seqs], self.seq_row0[seqs + 1])
+        """Global token rows of the given sequences."""
+        parts = []
+        for s, _, local in self._split(np.sort(seqs), self.seq_base):
+            t0 = self.shards[s].seq_tok0
+            parts.append(self.tok_base[s] + ranges(t0[local], t0[local + 1]))
+        return np.concatenate(parts) if parts else np.zeros(0, np.int64)
 
-    def posting(self, proto: int) -> np.ndarray:
-        """Activation rows of one prototype."""
-        return self.post_rows[self.post_start[proto] : self.post_start[proto + 1]]
+    def sequence_tokens(self, seq: int) -> tuple[list[int], list[int]]:
+        """(input tokens, targets) of one sequence, as the model saw them."""
+        lo, hi, _ = self.seq_span(seq)
+        s = int(np.searchsorted(self.tok_base, lo, side="right") - 1)
+        local = np.arange(lo, hi) - self.tok_base[s]
+        sh = self.shards[s]
+        return sh.tokens[local].astype(np.int64).tolist(), sh.targets(local).tolist()
 
-    def search(self, G_pre: torch.Tensor, n: int) -> np.ndarray:
-        """The ``n`` sequences nearest to the preconditioned query columns ``G_pre`` (K, u_dim) by the
-        cosine of their sketch embeddings."""
+    # --------------------------------------------------------------------------- first stages
+    def _list_sizes(self) -> np.ndarray:
+        """(K * cells,) entries of each (prototype, cell) posting list over every shard: the reduce
+        writes them (``post_sizes.npy``); an index without the file sums its shards' offsets."""
+        path = self.dir / layout.POST_SIZES
+        n = len(self.calib.curvature.lam) * self.n_cells
+        if path.is_file():
+            sizes = np.load(path)
+            if len(sizes) == n and int(sizes.sum()) == sum(len(sh.post_tokens) for sh in self.shards):
+                return sizes
+        return layout.posting_list_sizes([sh.post_offsets for sh in self.shards], n)
+
+    def _stack_ivf(self):
+        """The shards' IVF parts as one index: they share the trained template, so their inverted lists
+        are stacked (read in place, not copied) under one coarse quantiser and a query searches every
+        shard at once. None for other FAISS specs (searched shard by shard)."""
+        import faiss
+
+        if not self.shards:
+            return None
+        try:
+            parts = [faiss.extract_index_ivf(sh.faiss) for sh in self.shards]
+        except RuntimeError:
+            return None
+        merged = faiss.read_index(str(self.dir / layout.FAISS_TEMPLATE))
+        ivf = faiss.extract_index_ivf(merged)
+        lists = faiss.InvertedListsPtrVector()  # type: ignore[attr-defined]
+        for part in parts:
+            lists.push_back(part.invlists)
+        stacked = faiss.HStackInvertedLists(lists.size(), lists.data())
+        ivf.replace_invlists(stacked, False)
+        ivf.ntotal = merged.ntotal = sum(part.ntotal for part in parts)
+        self._faiss_keep = (parts, lists, stacked)  # the stacked lists point into these
+        return merged
+
+    def search(self, G_pre: torch.Tensor, n: int, nprobe: int | None = None) -> np.ndarray:
+        """The ``n`` sequences nearest to the preconditioned query columns ``G_pre`` (K, d) by the cosine
+        of their sketch embeddings, over every shard's FAISS part."""
+        import faiss
+
         K = G_pre.shape[0]
-        e = self.sketch.embed_rows(torch.zeros(K, dtype=torch.long), torch.arange(K), G_pre, 1).numpy()
-        _, ids = self.faiss.search(normalise(e), min(n, self.faiss.ntotal))
-        return ids[0][ids[0] >= 0]
+        e = normalise(self.sketch.embed_rows(torch.zeros(K, dtype=torch.long), torch.arange(K), G_pre, 1).numpy())
+        ivf_params = faiss.SearchParametersIVF(nprobe=nprobe or self.nprobe)  # type: ignore[call-arg]
+        if self.stacked is not None:
+            params = (ivf_params if isinstance(self.stacked, faiss.IndexIVF)
+                      else faiss.SearchParametersPreTransform(index_params=ivf_params))  # type: ignore[call-arg]
+            _, i = self.stacked.search(e, min(n, max(self.stacked.ntotal, 1)), params=params)
+            ids = i[0][i[0] >= 0]
+        else:
+            scores, found = [], []
+            for sh in self.shards:
+                if sh.faiss.ntotal == 0:
+                    continue
+                d, i = sh.faiss.search(e, min(n, sh.faiss.ntotal),
+                                       params=ivf_params if isinstance(sh.faiss, faiss.IndexIVF) else None)
+                ok = i[0] >= 0
+                scores.append(d[0][ok])
+                found.append(i[0][ok])
+            if not found:
+                return np.zeros(0, np.int64)
+            sc, ids = np.concatenate(scores), np.concatenate(found)
+            ids = ids[np.argsort(-sc, kind="stable")[:n]]
+        unit, local = layout.split_faiss_ids(ids)
+        return self.seq_base[self.shard_of_unit[unit]] + local
+
+    def top_contexts(self, proto: int, n: int) -> list[tuple[int, float]]:
+        """The ``n`` training tokens (global row, activation) that activate ``proto`` most, over every
+        shard (each shard keeps its top tokens per prototype)."""
+        rows, acts = [], []
+        for s, sh in enumerate(self.shards):
+            local = sh.proto_top[proto]
+            local = local[local >= 0]
+            if len(local):
+                slot = (sh.protos[local] == proto).argmax(1)
+                acts.append(self.act_table[proto, sh.acts[local, slot]])
+                rows.append(self.tok_base[s] + local)
+        if not rows:
+            return []
+        r, a = np.concatenate(rows), np.concatenate(acts)
+        order = np.lexsort((r, -a))[:n]
+        return [(int(r[i]), float(a[i])) for i in order]
+
+    # --------------------------------------------------------------------------- documents
+    def document(self, doc: int) -> dict:
+        s = int(np.searchsorted(self.doc_base, doc, side="right") - 1)
+        if not 0 <= s < len(self.shards) or doc >= self.n_docs:
+            raise KeyError(doc)
+        local = int(doc - self.doc_base[s])
+        group = self._doc_group(s, local // DOC_ROW_GROUP)
+        rec = {k: v[local % DOC_ROW_GROUP] for k, v in group.items()}
+        rec["doc_id"] = int(doc)
+        return rec
 
     def external_id(self, doc: int) -> str:
-        return str(self.doc_external[doc])
+        return str(self.document(doc)["external_id"])
 
 
-def _ranges(starts: np.ndarray, ends: np.ndarray) -> np.ndarray:
+def ranges(starts: np.ndarray, ends: np.ndarray) -> np.ndarray:
     """The concatenation of ``arange(s, e)`` for each pair."""
+    starts, ends = np.asarray(starts, np.int64), np.asarray(ends, np.int64)
     lens = ends - starts
     if len(lens) == 0 or lens.sum() == 0:
         return np.zeros(0, np.int64)

@@ -4,9 +4,15 @@ A training token t scores its prototype-space influence under the local curvatur
 
     s_t = sum_{i in K_t} a_{t,i} (G_i(q) / (lambda_i + lam)) . (Q^T u_t),
 
-normalised to a cosine by ``sqrt(I(q, q) I(t, t))``. A document's score aggregates its scored
-tokens: the best token's cosine (``cosine_max``, the default), the sum of its cosines, or the best
-or summed raw influence.
+normalised to a cosine by ``sqrt(I(q, q) I(t, t))``. Two ways to get the token's quantities:
+
+- **approximate**: from the index (activations on an 8-bit log scale, ``Q^T u_t`` decoded from its
+  codes, ``I(t, t)`` as stored), cheap, for first stages and to shortlist documents;
+- **exact**: recomputed by running the model over the token's sequence (full precision, as DESIGN's
+  exact influence), for the shortlisted documents and for ``mode="exact"``.
+
+A document's score aggregates its scored tokens: the best token's cosine (``cosine_max``, the
+default), the sum of its cosines, or the best or summed raw influence.
 """
 
 from __future__ import annotations
@@ -16,65 +22,142 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from prism_tda.model import PRISM
+
 from .reader import IndexReader
+from .tokens import run_batch
 from .types import Aggregation
 
 
 @dataclass
 class Preconditioner:
-    """The curvature at one damping: ``inv`` (K, u_dim) = diag (H_i + lam I)^{-1} in the Q basis."""
+    """The curvature at one damping: ``inv`` (K, d) = diag (H_i + lam I)^{-1} in the Q basis."""
 
     damping: float  # x the mean curvature eigenvalue
     inv: torch.Tensor
-    is_index_default: bool  # I(t, t) of every token is precomputed at this damping
+    is_index_default: bool  # the stored I(t, t) are at this damping
 
     def self_influence(self, G: torch.Tensor) -> float:
-        """I(q, q) of a query gradient G (K, u_dim)."""
+        """I(q, q) of a query gradient G (K, d)."""
         return float((G * G * self.inv).sum())
 
 
 @dataclass
 class TokenScores:
-    """The tokens behind a set of activation rows, and their scores."""
+    """Scored tokens (global rows, ascending) and what carries their scores."""
 
-    rows: np.ndarray  # the activation rows scored
-    tok: np.ndarray  # the distinct token rows among them, ascending
-    raw: np.ndarray  # s_t per token
-    cos: np.ndarray  # s_t / sqrt(I(q, q) I(t, t))
-    row_val: np.ndarray  # each activation row's term a_{t,i} w_i . u_t
-    row_owner: np.ndarray  # activation row -> index into ``tok``
+    tok: np.ndarray  # (n,)
+    raw: np.ndarray  # (n,) s_t
+    cos: np.ndarray  # (n,) s_t / sqrt(I(q, q) I(t, t))
+    protos: np.ndarray  # (n, k) the token's active prototypes
+    slot_val: np.ndarray  # (n, k) each prototype's term a_{t,i} w_i . u_t (0 outside the query's prototypes)
+    exact: bool  # recomputed by the model (else from the index's compressed values)
 
 
-def score_rows(reader: IndexReader, G: torch.Tensor, pre: Preconditioner, rows: np.ndarray) -> TokenScores:
-    """Influence and cosine of the tokens behind activation ``rows`` for query gradient G."""
+def _query_columns(G: torch.Tensor, pre: Preconditioner) -> tuple[np.ndarray, torch.Tensor]:
+    """(column of each prototype in Wq or -1, Wq (P, d) the preconditioned query columns)."""
     active = (G.abs().sum(1) > 0).nonzero().flatten()
-    Wq = (G[active] * pre.inv[active]).float()  # (P, u_dim) preconditioned query columns
     col = np.full(len(G), -1, dtype=np.int64)
     col[active.numpy()] = np.arange(len(active))
-    row_tok = reader.row_tok[rows]
-    tok, owner = np.unique(row_tok, return_inverse=True)
-    c = col[reader.row_proto[rows]]
-    hit = c >= 0
-    val = np.zeros(len(rows), dtype=np.float32)
-    if len(tok) * len(active) <= 8 * len(rows):
-        # many rows per token (a candidate's whole sequences): one product per token and prototype
-        M = (torch.from_numpy(reader.u[tok]).float() @ Wq.T).numpy()  # (n_tok, P)
-        val[hit] = reader.row_act[rows[hit]] * M[owner[hit], c[hit]]
-    else:  # about one row per token (posting lists): one dot per row, in chunks to bound memory
-        idx = np.nonzero(hit)[0]
-        for k in range(0, len(idx), 1 << 16):
-            sl = idx[k : k + (1 << 16)]
-            u = torch.from_numpy(reader.u[row_tok[sl]]).float()
-            val[sl] = reader.row_act[rows[sl]] * (u * Wq[torch.from_numpy(c[sl])]).sum(1).numpy()
-    raw = np.bincount(owner, weights=val, minlength=len(tok))
-    t_self = reader.tok_self[tok] if pre.is_index_default else reader.token_self_influence(tok, pre.inv)
+    return col, (G[active] * pre.inv[active]).float()
+
+
+def _scores(tok: np.ndarray, protos: np.ndarray, acts: np.ndarray, U: torch.Tensor, t_self: np.ndarray,
+            G: torch.Tensor, pre: Preconditioner, exact: bool) -> TokenScores:
+    col, Wq = _query_columns(G, pre)
+    c = col[protos]  # (n, k)
+    hit = (c >= 0) & (acts > 0)
+    M = (U.float() @ Wq.T).numpy()  # (n, P): one product per token and query prototype
+    slot_val = np.zeros(protos.shape, dtype=np.float32)
+    r, j = np.nonzero(hit)
+    slot_val[r, j] = acts[r, j] * M[r, c[r, j]]
+    raw = slot_val.sum(1).astype(np.float64)
     cos = raw / np.sqrt(max(pre.self_influence(G), 1e-30) * np.maximum(t_self, 1e-30))
-    return TokenScores(rows, tok, raw, cos, val, owner)
+    return TokenScores(tok, raw, cos, protos, slot_val, exact)
+
+
+def self_influence(U: torch.Tensor, protos: np.ndarray, acts: np.ndarray, inv: torch.Tensor) -> np.ndarray:
+    """I(t, t) = sum_i a_{t,i}^2 sum_j u_j^2 / (lam_ij + lam) of tokens (n, d) with their prototypes."""
+    u2 = U.float().pow(2)  # (n, d)
+    per = torch.einsum("nd,nkd->nk", u2, inv[torch.from_numpy(protos)])
+    return (torch.from_numpy(acts).float().pow(2) * per).sum(1).double().numpy()
+
+
+def approx_scores(reader: IndexReader, G: torch.Tensor, pre: Preconditioner, tok: np.ndarray) -> TokenScores:
+    """Scores of the tokens ``tok`` (global rows, ascending) from the index's stored values.
+
+    At the index's damping the token vectors are never decoded: with ``u_t = m_t - W[y_t]`` and
+    ``m_t`` product-quantised, each query column's product with ``m_t`` is a sum of table lookups,
+    one per sub-quantiser (asymmetric scoring), and its product with ``W[y_t]`` one lookup; only
+    the tokens that share a prototype with the query are touched. Other dampings need ``I(t, t)``
+    recomputed, so they decode."""
+    data = reader.token_data(tok)
+    if not pre.is_index_default:
+        U = reader.token_vectors(tok, data.targets)
+        t_self = self_influence(U, data.protos, data.acts, pre.inv)
+        return _scores(tok, data.protos, data.acts, U, t_self, G, pre, exact=False)
+    col, Wq = _query_columns(G, pre)
+    c = col[data.protos]  # (n, k)
+    hit = (c >= 0) & (data.acts > 0)
+    rows = np.nonzero(hit.any(1))[0]  # tokens sharing a prototype with the query
+    slot_val = np.zeros(data.protos.shape, dtype=np.float32)
+    if len(rows):
+        codec = reader.codec
+        m_tab, y_tab = codec.lookup_tables(Wq)  # (P, n_sub * 2^bits), (P, V)
+        codes = codec.flat_codes(reader.token_codes(tok[rows]))  # (n_rows, n_sub) rows of m_tab
+        r, j = np.nonzero(hit[rows])
+        t_r = rows[r]  # the hit's token
+        p = torch.from_numpy(c[t_r, j])
+        # flat gathers: the hit's row of each table, then its code's (or target's) column
+        m_idx = p[:, None] * m_tab.shape[1] + torch.from_numpy(codes[r])
+        m_part = torch.take(m_tab, m_idx).sum(1)  # Wq_p . m_t
+        y_part = torch.take(y_tab, p * y_tab.shape[1] + torch.from_numpy(data.targets[t_r]))  # Wq_p . Q^T W[y_t]
+        slot_val[t_r, j] = data.acts[t_r, j] * (m_part - y_part).numpy()
+    raw = slot_val.sum(1).astype(np.float64)
+    cos = raw / np.sqrt(max(pre.self_influence(G), 1e-30) * np.maximum(data.self_influence, 1e-30))
+    return TokenScores(tok, raw, cos, data.protos, slot_val, False)
+
+
+def exact_scores(model: PRISM, reader: IndexReader, G: torch.Tensor, pre: Preconditioner, seqs: np.ndarray, *,
+                 tokens: np.ndarray | None = None, batch_size: int = 32) -> TokenScores:
+    """Scores of every token of the sequences ``seqs`` (or only of the global rows ``tokens``, which
+    then name the sequences), recomputed by the model in full precision."""
+    Q = reader.curv.Q
+    if tokens is not None:
+        tokens = np.unique(tokens)
+        tok_seq = reader.seq_of_tokens(tokens)
+        seqs = np.unique(tok_seq)
+    seqs = np.unique(seqs)
+    parts = []
+    for b in range(0, len(seqs), batch_size):
+        chunk = np.sort(seqs[b : b + batch_size])
+        first = np.array([reader.seq_span(int(s))[0] for s in chunk], dtype=np.int64)
+        toks, tgts = zip(*(reader.sequence_tokens(int(s)) for s in chunk), strict=True)
+        positions = None
+        if tokens is not None:
+            positions = [tokens[tok_seq == s] - f for s, f in zip(chunk, first, strict=True)]
+        tb = run_batch(model, list(toks), list(tgts), positions=positions)
+        ut = tb.u @ Q  # (n, d), rows ordered by sequence then position
+        protos, acts = tb.proto_idx.numpy(), tb.acts.float().numpy()
+        rows = first[tb.row.numpy()] + tb.pos.numpy()
+        t_self = self_influence(ut, protos, acts, pre.inv)
+        parts.append(_scores(rows, protos, acts, ut, t_self, G, pre, exact=True))
+    if not parts:
+        k = reader.k
+        return TokenScores(np.zeros(0, np.int64), np.zeros(0), np.zeros(0), np.zeros((0, k), np.int64),
+                           np.zeros((0, k), np.float32), True)
+    cat = {f: np.concatenate([getattr(p, f) for p in parts]) for f in ("tok", "raw", "cos", "protos", "slot_val")}
+    return TokenScores(cat["tok"], cat["raw"], cat["cos"], cat["protos"], cat["slot_val"], True)
+
+
+def token_docs(reader: IndexReader, scores: TokenScores) -> np.ndarray:
+    return reader.doc_of_seqs(reader.seq_of_tokens(scores.tok))
 
 
 def document_scores(reader: IndexReader, scores: TokenScores) -> dict[Aggregation, np.ndarray]:
     """Every document's score under each aggregation (0 where a document has no scored token)."""
-    docs = reader.seq_doc[reader.tok_seq[scores.tok]].astype(np.int64)
+    docs = token_docs(reader, scores)
+
     def best(v: np.ndarray) -> np.ndarray:
         out = np.full(reader.n_docs, -np.inf)
         np.maximum.at(out, docs, v)
@@ -94,7 +177,7 @@ def rank_documents(reader: IndexReader, scores: TokenScores, aggregation: Aggreg
     score), best first; with ``opponents``, the most negative."""
     sign = -1.0 if opponents else 1.0
     per_token = scores.cos if aggregation.startswith("cosine") else scores.raw
-    docs = reader.seq_doc[reader.tok_seq[scores.tok]]
+    docs = token_docs(reader, scores)
     order = np.lexsort((-(sign * per_token), docs))  # by document, best token first
     first = np.ones(len(order), dtype=bool)
     first[1:] = docs[order][1:] != docs[order][:-1]

@@ -45,3 +45,20 @@ class Sketch:
 def normalise(e: np.ndarray) -> np.ndarray:
     n = np.linalg.norm(e, axis=1, keepdims=True)
     return (e / np.maximum(n, 1e-12)).astype(np.float32)
+
+
+def embed_sequences(sketch: Sketch, seq: torch.Tensor, proto: torch.Tensor, act: torch.Tensor, tok: torch.Tensor,
+                    ut: torch.Tensor, inv_sqrt: torch.Tensor, n_seqs: int) -> torch.Tensor:
+    """Sketch embeddings e(x) (n_seqs, D), unnormalised, of the sequences of a batch of activation rows
+    (sequence, prototype, activation, token index into ``ut``, the token vectors ``Q^T u_t``).
+    ``G_i(x) = sum_t a_{t,i} Q^T u_t`` is summed per (sequence, prototype) pair first, so
+    preconditioning and projection run once per pair."""
+    K = inv_sqrt.shape[0]
+    pair, owner = torch.unique(seq * K + proto, return_inverse=True)
+    G = torch.zeros(len(pair), ut.shape[1], dtype=torch.float32)
+    for c in range(0, len(seq), ROW_CHUNK):
+        sl = slice(c, c + ROW_CHUNK)
+        G.index_add_(0, owner[sl], act[sl, None].float() * ut[tok[sl]].float())
+    pair_proto = pair % K
+    G *= inv_sqrt[pair_proto]  # (pairs, d) preconditioned columns v_i(x)
+    return sketch.embed_rows(pair // K, pair_proto, G, n_seqs)

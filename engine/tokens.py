@@ -11,8 +11,8 @@ from __future__ import annotations
 import contextlib
 from dataclasses import dataclass
 
+import numpy as np
 import torch
-import torch.nn.functional as F
 
 from prism_tda.model import PRISM
 
@@ -37,9 +37,18 @@ class TokenBatch:
 def run_batch(
     model: PRISM, tokens: list[list[int]], targets: list[list[int]], *,
     device: torch.device | str = "cpu", autocast: contextlib.AbstractContextManager | None = None,
+    positions: list[np.ndarray] | None = None,
 ) -> TokenBatch:
-    """One forward pass over right-padded sequences (causal, so padding never leaks backwards)."""
+    """One forward pass over right-padded sequences (causal, so padding never leaks backwards).
+
+    ``positions``: per sequence, the only positions whose quantities are wanted; the backbone then
+    runs on each sequence up to its last wanted position, and the vocabulary-sized products (the
+    larger part of the cost) only at the wanted positions. Causality makes the results equal."""
     assert model.head is not None, "the indexer needs a PRISM model, not the dense baseline"
+    if positions is not None:
+        ends = [int(p.max()) + 1 if len(p) else 1 for p in positions]
+        tokens = [t[:e] for t, e in zip(tokens, ends, strict=True)]
+        targets = [t[:e] for t, e in zip(targets, ends, strict=True)]
     B, T = len(tokens), max(len(t) for t in tokens)
     x = torch.zeros(B, T, dtype=torch.long)
     y = torch.zeros(B, T, dtype=torch.long)
@@ -48,6 +57,11 @@ def run_batch(
         x[b, : len(tk)] = torch.as_tensor(tk)
         y[b, : len(tg)] = torch.as_tensor(tg)
         mask[b, : len(tk)] = True
+    if positions is not None:
+        keep = torch.zeros(B, T, dtype=torch.bool)
+        for b, p in enumerate(positions):
+            keep[b, torch.as_tensor(p, dtype=torch.long)] = True
+        mask &= keep
     x, y, mask = x.to(device), y.to(device), mask.to(device)
     with autocast or contextlib.nullcontext():
         z = model.hidden(x)  # (B, T, d)
@@ -57,9 +71,11 @@ def run_batch(
     h = model.head(zv)
     W = model.W.float()
     logits = zv @ W.T  # (N, V)
-    loss = F.cross_entropy(logits, yv, reduction="none")
-    delta = torch.softmax(logits, dim=-1)
-    delta[torch.arange(len(yv), device=delta.device), yv] -= 1.0  # softmax - onehot
+    logp = torch.log_softmax(logits, dim=-1)
+    at_y = torch.arange(len(yv), device=logp.device), yv
+    loss = -logp[at_y]  # next-token cross-entropy
+    delta = logp.exp_()  # softmax, in place
+    delta[at_y] -= 1.0  # softmax - onehot
     u = delta @ W  # (N, d)
     sim = model.head.similarities(zv)
     return TokenBatch(rows, pos, x[rows, pos], yv, h.proto_idx, h.acts, u, loss, sim.amax(1), sim.amax(0))

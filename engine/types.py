@@ -36,6 +36,11 @@ class QueryOptions:
     opponents: bool = False  # rank the documents that most oppose the output
     damping: float | None = None  # x the mean curvature eigenvalue; None: the index's (index.damping)
     aggregation: Aggregation = "cosine_max"  # how a document's token scores make its score
+    exact_rerank: int = 32  # fast path: documents re-scored exactly by the model before ranking
+    # fast path, best-token aggregations: tokens of each re-ranked sequence re-scored exactly, the best
+    # by their approximate scores first; None: every token (sum aggregations always take every token)
+    exact_tokens: int | None = 16
+    nprobe: int | None = None  # FAISS lists searched (IVF indexes); None: the index's
 
 
 @dataclass
@@ -164,5 +169,5 @@ class Attribution:
     documents: list[ScoredDocument]
     per_token: list[TokenView]
     timings_ms: Timings
-    rows_scored: int
-    """Training activation rows scored (exact: every row sharing a prototype with the query)."""
+    tokens_scored: int
+    """Training tokens scored (fast: the candidates' tokens, approximately; exact: every token)."""

@@ -1,122 +1,147 @@
-"""Sizing a job before it runs: disk per table, peak memory and time (``prism index --dry-run``).
+"""Sizing a job before it runs: disk per file, indexing memory and time, and the memory serving
+will need (``prism index --dry-run``).
 
-Counts come from planning the corpus in memory (tokenization only, nothing written); bytes per
-token and tokens per second from a calibration run of the real code on a sample of sequences
-written to a temporary directory; peak memory from the shapes involved. The real run records the
-estimate beside its measurements, so its accuracy is visible in every manifest.
+Counts come from the work units (file sizes, no reading) and the tokens per byte of a sample;
+bytes per token and tokens per second from building a real shard of the sample in a temporary
+directory with the real code; memory from the shapes involved. The real run records the estimate
+beside its measurements, so its accuracy is visible in every manifest.
 """
 
 from __future__ import annotations
 
+import json
 import resource
 import tempfile
 import time
+from itertools import islice
 from pathlib import Path
 from typing import Any
 
-import torch
+from prism_tda.corpus import CorpusStats, WorkUnit, plan_units, read_unit
+from prism_tda.engine import layout
 
-from prism_tda.engine import layout as store
-from prism_tda.engine.tokens import run_batch
+from .calibrate import calibrate, faiss_spec
 
-from .forward import ShardProcessor
-from .plan import plan_shards
-
-CALIBRATION_SEQUENCES = 64
+SAMPLE_DOCUMENTS = 256
+PER_SEQUENCE = ("seq_tok0", "seq_doc", "seq_start", "seq_last_target", "sequences")
 
 
 def peak_rss_bytes() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
-def estimate(ix, *, calibration_sequences: int = CALIBRATION_SEQUENCES) -> dict[str, Any]:
+def estimate(ix, units: list[WorkUnit] | None = None) -> dict[str, Any]:
     """Estimate for Indexer ``ix`` (see :class:`.run.Indexer`); writes nothing to ``ix.out``."""
     mc, cfg = ix.model.cfg, ix.cfg
-    t0 = time.perf_counter()
-    shards, stats = plan_shards(ix.corpus, ix.tokenizer, mc.block_size, cfg, ix.schemas, None, progress=False)
-    plan_s = time.perf_counter() - t0
-    n_docs = sum(s.n_docs for s in shards)
-    n_seqs = sum(s.n_seqs for s in shards)
-    n_tok = sum(s.n_tokens for s in shards)
-
+    units = units if units is not None else plan_units(ix.corpus, cfg.shard_bytes)
+    corpus_bytes = sum(u.bytes for u in units)
     with tempfile.TemporaryDirectory() as tmp_name:
         tmp = Path(tmp_name)
-        sample_cfg = cfg.replace(shard_documents=max(1, min(cfg.shard_documents, calibration_sequences)))
-        sample, _ = plan_shards(ix.corpus, ix.tokenizer, mc.block_size, sample_cfg, ix.schemas, tmp,
-                                progress=False, max_documents=1)
-        s0 = sample[0]
-        proc = ShardProcessor(ix.model, torch.eye(mc.d_model), ix.u_dim, ix.schemas, batch_size=cfg.batch_size,
-                              device=ix.device, autocast=ix.autocast, act_mantissa_bits=cfg.act_mantissa_bits)
-        run_batch(ix.model, [[0] * 8], [[0] * 8], device=ix.device)  # warm-up
-        t1 = time.perf_counter()
-        proc.process(tmp, 0)
-        fwd_s = time.perf_counter() - t1
-        per_tok = {t: store.dir_bytes(tmp / t) / max(s0.n_tokens, 1)
-                   for t in ("sequences", "activations", "token_grads")}
-        doc_bytes_per_doc = store.dir_bytes(tmp / "documents") / max(s0.n_docs, 1)
-        tok_per_s = s0.n_tokens / max(fwd_s, 1e-9)
+        # a sample corpus: the first documents of the first units, as one JSONL unit
+        docs = []
+        for u in units[:8]:
+            docs += list(islice(read_unit(u, CorpusStats()), SAMPLE_DOCUMENTS // 8 or 1))
+        sample = tmp / "sample.jsonl"
+        sample.write_text("".join(json.dumps({"id": d.doc_id, "text": d.text}) + "\n" for d in docs))
+        sample_units = plan_units([sample], 1 << 62)
+        small = cfg.replace(calibration_tokens=min(cfg.calibration_tokens, 16_384), posting_cells=16,
+                            faiss_spec="IDMap,Flat")
+        out = tmp / "index"
+        out.mkdir()
+        calib, _ = calibrate(ix.model, ix.tokenizer, sample_units, small, out, device=ix.device,
+                             autocast=ix.autocast)
+        from .shard import ShardBuilder
 
-    K, d, V = mc.n_prototypes, mc.d_model, mc.vocab_size
+        builder = ShardBuilder(ix.model, ix.tokenizer, calib, small, out / layout.FAISS_TEMPLATE, device=ix.device,
+                               autocast=ix.autocast)
+        t0 = time.perf_counter()
+        info = builder.build(out, sample_units[0])
+        build_s = time.perf_counter() - t0
+    n_tok_s, n_seq_s = max(info.n_tokens, 1), max(info.n_seqs, 1)
+    text_bytes = sum(d.nbytes or len(d.text.encode()) for d in docs) or 1  # the records' bytes in their files
+    n_tok = int(corpus_bytes * n_tok_s / text_bytes)
+    n_seq = int(n_tok * n_seq_s / n_tok_s)
+    n_docs = int(corpus_bytes * max(info.n_docs, 1) / text_bytes)
     D = cfg.embed_dim * cfg.sketch_buckets
-    disk = {
-        "documents": doc_bytes_per_doc * n_docs,
-        "sequences": per_tok["sequences"] * n_tok,
-        "activations": per_tok["activations"] * n_tok,
-        "token_grads": per_tok["token_grads"] * n_tok,
-        "stats": len(shards) * 8 * (d * d + K * ix.u_dim + 3 * K + 3),
-        "embeddings": 4 * n_seqs * D,
-        "faiss.index": 4 * n_seqs * D if cfg.faiss_spec == "Flat" else None,
-        "curvature.safetensors": 4 * (d * d + K * ix.u_dim) + 8 * (d * d + 3 * K),
-    }
-    T = mc.block_size
-    n_batch_tok = cfg.batch_size * T
-    max_shard_tok = max((s.n_tokens for s in shards), default=0)
+    n_train = int(min(cfg.calibration_tokens, n_tok) * n_seq_s / n_tok_s)  # calibration sequences
+    spec, _ = faiss_spec(cfg, n_seq, D, n_train)
+    pq_bytes = int(spec.rsplit("PQ", 1)[1]) if "PQ" in spec else 4 * D
+    n_cells = cfg.posting_cells
+    disk: dict[str, float] = {}
+    for name, b in info.bytes.items():
+        if name in ("faiss", "stats", "post_offsets"):
+            continue
+        scale = n_seq / n_seq_s if name in PER_SEQUENCE else n_tok / n_tok_s
+        disk[name] = b * scale
+    n_shards = max(1, len(units))
+    K, d = mc.n_prototypes, mc.d_model
+    # codes and ids per sequence; each shard's part repeats the trained template (quantiser, codebooks)
+    template = 4 * D * int(spec.split(",")[0][3:]) + 4 * 256 * D if spec.startswith("IVF") else 0
+    disk["faiss"] = n_seq * (pq_bytes + 8) + n_shards * template
+    disk["post_offsets"] = n_shards * 4 * (K * n_cells + 1)
+    disk["stats"] = 8 * (d * d + K * d + 4 * K + 3)  # the index's, folded from the shards'
+    disk["calibration+tables"] = 4 * (d * d + K * d + cfg.code_subquantizers * (1 << cfg.code_bits) * d
+                                      // cfg.code_subquantizers + n_cells * d) + 64 * K + 32 * mc.vocab_size
+    max_unit_tok = int(max((u.bytes for u in units), default=0) * n_tok_s / text_bytes)
     memory = {
         "model": sum(p.numel() * p.element_size() for p in ix.model.parameters()),
-        "forward_batch": 4 * n_batch_tok * (3 * V + 4 * d + K),  # logits, softmax, log-softmax; z/u; similarities
-        "shard_buffers": max_shard_tok * (2 * ix.u_dim + 16 * mc.n_active + 16),
-        "statistics": 8 * (2 * d * d + 2 * K * ix.u_dim),
-        # embedding stage: a shard's Q^T u in fp32 and one column per (sequence, prototype) pair
-        "embedding_stage": 4 * max_shard_tok * ix.u_dim * (1 + mc.n_active // 2),
-        "faiss_build": 4 * n_seqs * D * (2 if cfg.faiss_spec == "Flat" else 1),
+        "forward_batch": 4 * cfg.batch_size * mc.block_size * (3 * mc.vocab_size + 4 * d + K),
+        "calibration_sample": min(cfg.calibration_tokens, n_tok) * (2 * d + 4 * d + 24 * mc.n_active),
+        "shard_buffers": max_unit_tok * (4 + 20 * cfg.posting_entries) + max_unit_tok * 4 * 4,  # I(t,t), postings, text
         "python_and_libraries": 600 * 1024**2,
     }
-    seconds = {"plan": plan_s, "forward": n_tok / tok_per_s, "finalize": 0.15 * n_tok / tok_per_s}
+    serving = {
+        "model_and_calibration": memory["model"] + 4 * (d * d + 2 * K * d),
+        "faiss_in_memory": disk["faiss"],
+        "per_shard_headers": n_shards * 8 * (K * n_cells + 1),
+        "python_and_libraries": 700 * 1024**2,
+    }
+    tok_per_s = n_tok_s / max(build_s, 1e-9)
+    seconds = {"calibrate": min(cfg.calibration_tokens, n_tok) / tok_per_s, "shards": n_tok / tok_per_s}
     return {
-        "documents": n_docs, "sequences": n_seqs, "tokens": n_tok, "shards": len(shards),
-        "bad_records": stats.n_bad, "disk_bytes": disk,
-        "disk_total_bytes": sum(v for v in disk.values() if v), "peak_memory_bytes": sum(memory.values()),
-        "memory_breakdown": memory, "seconds": seconds, "total_seconds": sum(seconds.values()),
-        "calibration": {"sequences": s0.n_seqs, "tokens": s0.n_tokens, "tokens_per_s": tok_per_s},
+        "documents": n_docs, "sequences": n_seq, "tokens": n_tok, "shards": len(units), "corpus_bytes": corpus_bytes,
+        "faiss_spec": spec, "disk_bytes": disk, "disk_total_bytes": sum(disk.values()),
+        "disk_bytes_per_token": sum(disk.values()) / max(n_tok, 1),
+        "peak_memory_bytes": sum(memory.values()), "memory_breakdown": memory,
+        "serving_memory_bytes": sum(serving.values()), "serving_breakdown": serving,
+        "serving_bytes_per_token_beyond_base": (serving["faiss_in_memory"] + serving["per_shard_headers"])
+        / max(n_tok, 1),
+        "seconds": seconds, "total_seconds": sum(seconds.values()),
+        "calibration": {"documents": info.n_docs, "tokens": info.n_tokens, "tokens_per_s": tok_per_s,
+                        "tokens_per_corpus_byte": n_tok_s / text_bytes},
     }
 
 
 def compare(est: dict[str, Any], summary: dict[str, Any], wall_s: float, peak_rss: int) -> dict[str, Any]:
-    """actual / estimated, per table and in total (1.0 = exact)."""
+    """actual / estimated, per file and in total (1.0 = exact)."""
     out: dict[str, Any] = {"disk": {}}
     for t, v in est["disk_bytes"].items():
-        if v:
-            out["disk"][t] = round(summary["bytes"].get(t, 0) / v, 3)
+        if v and t in summary["bytes"]:
+            out["disk"][t] = round(summary["bytes"][t] / v, 3)
     out["disk_total"] = round(summary["total_bytes"] / max(est["disk_total_bytes"], 1), 3)
+    out["tokens"] = round(summary["tokens"] / max(est["tokens"], 1), 3)
     out["time"] = round(wall_s / max(est["total_seconds"], 1e-9), 3)
     out["peak_memory"] = round(peak_rss / max(est["peak_memory_bytes"], 1), 3)
     return out
 
 
 def format_estimate(est: dict[str, Any]) -> str:
-    def mb(x):
+    def mb(x: float | None) -> str:
         return "n/a" if x is None else f"{x / 1024**2:,.1f} MB"
 
-    lines = [f"corpus: {est['documents']:,} documents, {est['sequences']:,} sequences, {est['tokens']:,} tokens, "
-             f"{est['shards']} shards, {est['bad_records']} bad records",
-             "disk per table:"]
+    lines = [f"corpus: {est['corpus_bytes'] / 1024**2:,.1f} MB in {est['shards']} work units: about "
+             f"{est['documents']:,} documents, {est['sequences']:,} sequences, {est['tokens']:,} tokens",
+             f"FAISS: {est['faiss_spec']}", "disk per file:"]
     lines += [f"  {k:24s} {mb(v)}" for k, v in est["disk_bytes"].items()]
-    lines.append(f"  {'total':24s} {mb(est['disk_total_bytes'])}")
-    lines.append(f"peak memory: {mb(est['peak_memory_bytes'])}")
+    lines.append(f"  {'total':24s} {mb(est['disk_total_bytes'])} ({est['disk_bytes_per_token']:.1f} bytes/token)")
+    lines.append(f"indexing peak memory: {mb(est['peak_memory_bytes'])}")
     lines += [f"  {k:24s} {mb(v)}" for k, v in est["memory_breakdown"].items()]
-    lines.append(f"time: {est['total_seconds']:,.0f} s "
-                 f"(forward at {est['calibration']['tokens_per_s']:,.0f} tokens/s, measured on "
-                 f"{est['calibration']['tokens']:,} tokens)")
+    lines.append(f"serving memory: {mb(est['serving_memory_bytes'])} "
+                 f"({est['serving_bytes_per_token_beyond_base']:.2f} bytes/token beyond the model and libraries; "
+                 "the per-token files are memory-mapped)")
+    lines += [f"  {k:24s} {mb(v)}" for k, v in est["serving_breakdown"].items()]
+    lines.append(f"time: {est['total_seconds']:,.0f} s (at {est['calibration']['tokens_per_s']:,.0f} tokens/s, "
+                 f"measured on {est['calibration']['tokens']:,} tokens)")
     return "\n".join(lines)
 
 

@@ -1,5 +1,15 @@
-"""The indexing job: plan -> curvature basis -> per-shard forward (local or Ray) -> reduce ->
-embeddings -> FAISS -> prototype and vocab tables. Every stage resumes from what is on disk."""
+"""The indexing job: plan work units -> calibrate -> build shards (local or Ray) -> reduce.
+
+- **plan** (driver, from file sizes and Parquet footers only): the corpus's work units;
+- **calibrate** (driver, one pass over a sample): curvature, codec, cells, FAISS template;
+- **shards** (one per unit; this process or Ray workers): read, tokenise, one forward pass, write;
+- **reduce** (driver, small): sum the shards' statistics, write the prototype and vocabulary tables
+  and the summary.
+
+Every stage resumes from what is on disk: a shard is complete once its ``shard.json`` exists, and
+a rerun builds only the others. ``append`` adds the documents of another corpus as new shards
+under the same calibration, leaving the existing shards as they are.
+"""
 
 from __future__ import annotations
 
@@ -14,35 +24,27 @@ from typing import Any
 
 import numpy as np
 import pyarrow as pa
-import pyarrow.parquet as pq
 import torch
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save
 from tqdm.auto import tqdm
 
-from prism_tda.corpus import fingerprint
-from prism_tda.engine import layout as store
-from prism_tda.engine.curvature import Curvature, finalize, fit_basis
-from prism_tda.engine.layout import (
-    IDENTITY_FIELDS,
-    IndexConfig,
-    IndexManifest,
-    Plan,
-    ShardEntry,
-    ShardForward,
-)
-from prism_tda.engine.sketch import Sketch
-from prism_tda.engine.tokens import run_batch
+from prism_tda.corpus import CorpusStats, WorkUnit, fingerprint, plan_units
+from prism_tda.engine import layout
+from prism_tda.engine.calibration import IndexCalibration
+from prism_tda.engine.curvature import CurvatureStats, finalize
+from prism_tda.engine.layout import CALIBRATION, FAISS_TEMPLATE, IDENTITY_FIELDS, IndexConfig, IndexManifest
 from prism_tda.errors import PrismError
 from prism_tda.model import checkpoint as ckpt
 from prism_tda.model.device import autocast_for, pick_device
 from prism_tda.model.metrics import usage_stats
 
-from .embed import build_faiss, save_embeddings, shard_embeddings
+from .calibrate import calibrate
 from .estimate import compare, estimate, peak_rss_bytes
-from .forward import ShardProcessor, ShardStats
-from .plan import plan_shards
+from .shard import ShardBuilder
 
 log = logging.getLogger(__name__)
+
+SHARD_STATS = "stats.safetensors"  # a shard's additive statistics, until the reduce folds them
 
 
 class IndexMismatchError(PrismError):
@@ -79,108 +81,106 @@ class Indexer:
         self.model, self.tokenizer, self.ck_config = ckpt.load_checkpoint(self.ck_path, device=self.device)
         if self.model.head is None:
             raise PrismError(f"{self.ck_path}: a dense-baseline checkpoint has no prototypes to index")
-        mc = self.model.cfg
-        self.u_dim = min(self.cfg.u_rank or mc.d_model, mc.d_model)
-        self.schemas = store.schemas(mc.vocab_size, mc.n_prototypes, self.u_dim)
         self.autocast = autocast_for(self.device, self.cfg.dtype)
-        self.timings: dict[str, float] = {}
+        train = self.ck_config.get("training", {}).get("train_config") or {}
+        self.val_fraction: float | None = train.get("val_fraction")
+
+    # ------------------------------------------------------------------------------ manifest
+    def _open_manifest(self, *, append: bool = False) -> IndexManifest:
+        ident = identity(self.ck_config, self.corpus, self.cfg)
+        m = layout.read_manifest(self.out)
+        if m is None:
+            if append:
+                raise PrismError(f"{self.out}: no index to append to (manifest.json is missing)")
+            return IndexManifest(identity=ident, checkpoint=str(self.ck_path), corpus=self.corpus, config=self.cfg,
+                                 model=self.ck_config["model"], versions=_versions())
+        must = {k: v for k, v in ident.items() if not (append and k == "corpus_fingerprint")}
+        diff = {k: (m.identity.get(k), v) for k, v in must.items() if m.identity.get(k) != v}
+        if diff:
+            raise IndexMismatchError(
+                f"{self.out / layout.MANIFEST}: this index was built with different inputs (stored, given): "
+                f"{diff}. Use another --out, or delete the index to rebuild it.")
+        return m
+
+    def _save(self, m: IndexManifest) -> None:
+        layout.write_manifest(self.out, m)
 
     # ------------------------------------------------------------------------------ stages
-    def _open_manifest(self) -> IndexManifest:
-        ident = identity(self.ck_config, self.corpus, self.cfg)
-        m = store.read_manifest(self.out)
-        if m is not None:
-            old = m.identity
-            diff = {k: (old.get(k), v) for k, v in ident.items() if old.get(k) != v}
-            if diff:
-                raise IndexMismatchError(
-                    f"{self.out / store.MANIFEST}: this index was built with different inputs "
-                    f"(stored, given): {diff}. Use another --out, or delete the index to rebuild it."
-                )
-            return m
-        return IndexManifest(identity=ident, checkpoint=str(self.ck_path), corpus=self.corpus, config=self.cfg,
-                             model=self.ck_config["model"], versions=_versions())
+    def _calibrate(self, m: IndexManifest) -> IndexCalibration:
+        path = self.out / CALIBRATION
+        if m.calibration is not None and path.is_file() and (self.out / FAISS_TEMPLATE).is_file():
+            return IndexCalibration.load(path)
+        calib, info = calibrate(self.model, self.tokenizer, m.units, self.cfg, self.out, device=self.device,
+                                autocast=self.autocast)
+        calib.save(path)
+        m.calibration = info
+        m.timings["calibrate_s"] = info.seconds
+        self._save(m)
+        return calib
 
-    def _plan(self, m: IndexManifest) -> None:
-        if m.plan is not None:
-            return
-        t0 = time.perf_counter()
-        m.shards, stats = plan_shards(self.corpus, self.tokenizer, self.model.cfg.block_size, self.cfg,
-                                      self.schemas, self.out, progress=self.progress)
-        m.plan = Plan(corpus=stats.to_dict(), documents=sum(s.n_docs for s in m.shards),
-                      sequences=sum(s.n_seqs for s in m.shards), tokens=sum(s.n_tokens for s in m.shards))
-        m.timings["plan_s"] = round(time.perf_counter() - t0, 3)
-        store.write_manifest(self.out, m)
-        if stats.n_bad:
-            log.warning("bad corpus records", extra={"bad_by_reason": dict(stats.bad)})
+    def builder(self, calib: IndexCalibration) -> ShardBuilder:
+        return ShardBuilder(self.model, self.tokenizer, calib, self.cfg, self.out / FAISS_TEMPLATE,
+                            device=self.device, autocast=self.autocast, val_fraction=self.val_fraction)
 
-    def _basis(self, m: IndexManifest) -> torch.Tensor:
-        path = self.out / "basis.safetensors"
+    def _pending(self, m: IndexManifest) -> list[WorkUnit]:
+        """Units without a complete shard; shards completed but not yet in the manifest (a run killed
+        between a shard's last write and the manifest's) are adopted."""
+        done = {s.unit for s in m.shards}
+        pending = []
+        for u in m.units:
+            if u.unit in done:
+                continue
+            info = layout.read_shard_info(layout.shard_dir(self.out, u.unit))
+            if info is not None:
+                m.add_shard(info)
+            else:
+                pending.append(u)
+        return pending
+
+    def complete(self, m: IndexManifest, info: layout.ShardInfo) -> None:
+        m.add_shard(info)
+        self._save(m)
+        log.debug("shard complete", extra={"unit": info.unit, "tokens": info.n_tokens, "seconds": info.seconds})
+
+    def _build_local(self, m: IndexManifest, calib: IndexCalibration, pending: list[WorkUnit]) -> None:
+        builder = self.builder(calib)
+        with tqdm(total=sum(u.bytes for u in pending), desc="index", unit="B", unit_scale=True,
+                  disable=not self.progress, dynamic_ncols=True) as bar:
+            for u in pending:
+                self.complete(m, builder.build(self.out, u))
+                bar.update(u.bytes)
+
+    def _reduce(self, m: IndexManifest, calib: IndexCalibration) -> CurvatureStats:
+        """Fold the shards' statistics into the index's (``stats.safetensors``), then drop theirs.
+
+        The file records which units it holds (``units``), in the same atomic write as the sums, so a
+        run killed anywhere folds every shard exactly once; an append folds only the new shards."""
+        mc = self.model.cfg
+        path = self.out / "stats.safetensors"
+        total = CurvatureStats(mc.n_prototypes, mc.d_model)
+        folded: set[int] = set()
         if path.is_file():
-            return load_file(str(path))["Q"]
-        t0 = time.perf_counter()
-        toks: list[list[int]] = []
-        tgts: list[list[int]] = []
-        for s in m.shards:
-            seqs = pq.read_table(self.out / "sequences" / store.part_name(s.shard),
-                                 columns=["token_ids", "target_ids"]).to_pydict()
-            toks += seqs["token_ids"][: self.cfg.basis_sequences - len(toks)]
-            tgts += seqs["target_ids"][: self.cfg.basis_sequences - len(tgts)]
-            if len(toks) >= self.cfg.basis_sequences:
-                break
-        d = self.model.cfg.d_model
-        S = torch.zeros(d, d, dtype=torch.float64)
-        for b in range(0, len(toks), self.cfg.batch_size):
-            tb = run_batch(self.model, toks[b : b + self.cfg.batch_size], tgts[b : b + self.cfg.batch_size],
-                           device=self.device, autocast=self.autocast)
-            u = tb.u.double().cpu()
-            S += u.T @ u
-        Q, evals = fit_basis(S)
-        from safetensors.torch import save
+            t = load_file(str(path))
+            folded = {int(u) for u in t.pop("units", torch.zeros(0)).tolist()}
+            if folded:
+                total = CurvatureStats.from_tensors(t)
+        new = [s for s in m.shards if s.unit not in folded]
+        for s in new:
+            total.merge(CurvatureStats.from_tensors(load_file(str(layout.shard_dir(self.out, s.unit) /
+                                                                  SHARD_STATS))))
+        units = torch.tensor(sorted(folded | {s.unit for s in m.shards}), dtype=torch.int64)
+        layout.atomic_write_bytes(path, save({**{k: v.contiguous() for k, v in total.tensors().items()},
+                                              "units": units}))
+        n_lists = mc.n_prototypes * calib.cells.shape[0]
+        layout.write_array(self.out / layout.POST_SIZES, layout.posting_list_sizes(
+            [np.load(layout.shard_dir(self.out, s.unit) / "post_offsets.npy", mmap_mode="r") for s in m.shards],
+            n_lists))
+        for s in m.shards:  # folded: the shards' own copies are no longer needed
+            (layout.shard_dir(self.out, s.unit) / SHARD_STATS).unlink(missing_ok=True)
+        self._tables(total, calib)
+        return total
 
-        store.atomic_write_bytes(path, save({"Q": Q.contiguous(), "eigvals": evals.contiguous()}))
-        m.timings["basis_s"] = round(time.perf_counter() - t0, 3)
-        return Q
-
-    def _forward_local(self, m: IndexManifest, Q: torch.Tensor, pending: list[ShardEntry]) -> None:
-        proc = ShardProcessor(self.model, Q, self.u_dim, self.schemas, batch_size=self.cfg.batch_size,
-                              device=self.device, autocast=self.autocast, act_mantissa_bits=self.cfg.act_mantissa_bits)
-        total = sum(s.n_tokens for s in pending)
-        with tqdm(total=total, desc="index", unit="tok", unit_scale=True, disable=not self.progress,
-                  dynamic_ncols=True) as bar:
-            for s in pending:
-                res = proc.process(self.out, s.shard, on_tokens=bar.update)
-                self._complete(m, s, res)
-
-    def _complete(self, m: IndexManifest, s: ShardEntry, res: ShardForward) -> None:
-        s.forward = res
-        store.write_manifest(self.out, m)
-        log.debug("shard complete", extra={"shard": s.shard, "activation_rows": res.activation_rows})
-
-    def _reduce(self, m: IndexManifest, Q: torch.Tensor) -> tuple[Curvature, ShardStats]:
-        mc = self.model.cfg
-        total = ShardStats(mc.n_prototypes, mc.d_model, self.u_dim)
-        for s in m.shards:
-            part = load_file(str(self.out / "stats" / store.part_name(s.shard, "safetensors")))
-            total.merge(ShardStats.from_tensors(part))
-        n_tok = int(total.scalars[0])
-        curv = finalize(Q, total.lam, total.count, n_tok, self.cfg.damping)
-        curv.save(self.out / "curvature.safetensors", S=total.S, count=total.count, mass=total.mass,
-                  max_cos=total.max_cos, scalars=total.scalars)
-        return curv, total
-
-    def _embed(self, m: IndexManifest, curv: Curvature) -> Sketch:
-        mc = self.model.cfg
-        sketch = Sketch(mc.n_prototypes, self.u_dim, self.cfg.embed_dim, self.cfg.sketch_buckets, self.cfg.seed)
-        todo = [s for s in m.shards if not s.embedded]
-        for s in tqdm(todo, desc="embed", unit="shard", disable=not self.progress or not todo):
-            e = shard_embeddings(self.out, s.shard, s.seq_start, s.n_seqs, curv, sketch)
-            save_embeddings(self.out, s.shard, e)
-            s.embedded = True
-            store.write_manifest(self.out, m)
-        return sketch
-
-    def _tables(self, total: ShardStats) -> None:
+    def _tables(self, total: CurvatureStats, calib: IndexCalibration) -> None:
         sig = self.model.signatures(n=10)[1]  # (K, 10) top signature tokens of W p_i
         tok = self.tokenizer
 
@@ -188,90 +188,120 @@ class Indexer:
             return tok.decode([i])
 
         K = self.model.cfg.n_prototypes
+        sch = layout.schemas(self.model.cfg.vocab_size, K)
         count, mass = total.count.numpy(), total.mass.numpy()
         protos = pa.Table.from_pydict({
             "proto_id": np.arange(K), "n_tokens": count.astype(np.int64), "mass": mass,
             "mean_act": np.where(count > 0, mass / np.maximum(count, 1), 0).astype(np.float32),
             "top_tokens": [[text(int(i)) for i in row] for row in sig.tolist()], "label": [None] * K,
-        }, schema=self.schemas["prototypes"])
-        store.write_table(self.out / "prototypes.parquet", protos)
+            "act_lo": calib.act_lo.numpy(), "act_hi": calib.act_hi.numpy(),
+        }, schema=sch["prototypes"])
+        layout.write_table(self.out / "prototypes.parquet", protos)
         V = tok.get_vocab_size()
         vocab = pa.Table.from_pydict({"token_id": np.arange(V), "token": [text(i) for i in range(V)]},
-                                     schema=self.schemas["vocab"])
-        store.write_table(self.out / "vocab.parquet", vocab)
+                                     schema=sch["vocab"])
+        layout.write_table(self.out / "vocab.parquet", vocab)
 
     # ------------------------------------------------------------------------------ run
-    def run(self, *, workers: int | None = None, ray_address: str | None = None) -> dict[str, Any]:
+    def run(self, *, workers: int | None = None, ray_address: str | None = None, append: bool = False
+            ) -> dict[str, Any]:
+        """Build (or resume) the index; with ``append``, add the corpus to an existing index."""
         t_start = time.perf_counter()
         self.out.mkdir(parents=True, exist_ok=True)
-        m = self._open_manifest()
-        if m.complete and m.summary is not None:
+        m = self._open_manifest(append=append)
+        if append:
+            known = {(u.file, u.start, u.stop, tuple(u.files or ())) for u in m.units}
+            new = [u for u in plan_units(self.corpus, self.cfg.shard_bytes, first=len(m.units))
+                   if (u.file, u.start, u.stop, tuple(u.files or ())) not in known]
+            for i, u in enumerate(new):
+                u.unit = len(m.units) + i
+            if not new:
+                log.info("nothing to append: every unit of the corpus is in the index")
+            m.units += new
+            m.corpus += [c for c in self.corpus if c not in m.corpus]
+            m.complete = False
+            self._save(m)
+        elif m.complete and m.summary is not None:
             log.info("index already complete", extra={"index": str(self.out)})
             return m.summary
         est_file = self.out / "estimate.json"
-        if est_file.is_file():
-            est = json.loads(est_file.read_text())
-        else:
-            est = estimate(self)
-            store.atomic_write_bytes(est_file, json.dumps(est, indent=2).encode())
-        removed = store.clean_temporaries(self.out)
+        est = json.loads(est_file.read_text()) if est_file.is_file() else None
+        removed = layout.clean_temporaries(self.out)
         if removed:
             log.info("removed temporary files of an interrupted run", extra={"files": removed})
-        self._plan(m)
-        Q = self._basis(m)
-        pending = [s for s in m.shards if s.forward is None]
+        if not m.units:
+            t0 = time.perf_counter()
+            m.units = plan_units(self.corpus, self.cfg.shard_bytes)
+            if not m.units:
+                raise PrismError(f"{self.corpus}: no corpus file to index")
+            m.timings["plan_s"] = round(time.perf_counter() - t0, 3)
+            self._save(m)
+        if est is None and not append:
+            est = estimate(self, m.units)
+            layout.atomic_write_bytes(est_file, json.dumps(est, indent=2).encode())
+        calib = self._calibrate(m)
+        pending = self._pending(m)
         if pending:
-            log.info("indexing", extra={"shards_pending": len(pending), "shards": len(m.shards),
-                                        "tokens": sum(s.n_tokens for s in pending)})
+            log.info("indexing", extra={"shards_pending": len(pending), "shards": len(m.units),
+                                        "bytes": sum(u.bytes for u in pending)})
         t0 = time.perf_counter()
         if pending and (workers or ray_address):
             from .distributed import run_on_ray
 
             run_on_ray(self, m, pending, workers=workers or 0, address=ray_address)
         elif pending:
-            self._forward_local(m, Q, pending)
-        fwd_s = time.perf_counter() - t0
-        m.timings["forward_s"] = round(m.timings.get("forward_s", 0) + fwd_s, 3)
+            self._build_local(m, calib, pending)
+        m.timings["shards_s"] = round(m.timings.get("shards_s", 0) + time.perf_counter() - t0, 3)
         t0 = time.perf_counter()
-        curv, total = self._reduce(m, Q)
-        sketch = self._embed(m, curv)
-        n = build_faiss(self.out, [s.shard for s in m.shards], sketch.dim, self.cfg.faiss_spec,
-                        self.cfg.faiss_train_size, self.cfg.seed)
-        self._tables(total)
-        m.timings["finalize_s"] = round(time.perf_counter() - t0, 3)
+        total = self._reduce(m, calib)
+        m.timings["reduce_s"] = round(time.perf_counter() - t0, 3)
         m.timings["last_run_wall_s"] = round(time.perf_counter() - t_start, 3)
-        summary = self._summary(m, total, curv, n)
+        summary = self._summary(m, total, calib)
         summary["peak_rss_bytes"] = peak_rss_bytes()
-        summary["estimate_vs_actual"] = compare(est, summary, m.timings["last_run_wall_s"], summary["peak_rss_bytes"])
+        if est is not None and not append:
+            summary["estimate_vs_actual"] = compare(est, summary, m.timings["last_run_wall_s"],
+                                                    summary["peak_rss_bytes"])
         m.summary, m.complete = summary, True
-        store.write_manifest(self.out, m)
+        self._save(m)
         return summary
 
-    def _summary(self, m: IndexManifest, total: ShardStats, curv: Curvature, n_faiss: int) -> dict[str, Any]:
-        n_tok = int(total.scalars[0])
-        tables = ("documents", "sequences", "activations", "token_grads", "stats", "embeddings")
-        bytes_ = {t: store.dir_bytes(self.out / t) for t in tables}
-        for f in ("prototypes.parquet", "vocab.parquet", "curvature.safetensors", "basis.safetensors", "faiss.index"):
-            bytes_[f] = store.dir_bytes(self.out / f)
-        rows = sum(s.forward.activation_rows for s in m.shards if s.forward is not None)
+    def _summary(self, m: IndexManifest, total: CurvatureStats, calib: IndexCalibration) -> dict[str, Any]:
+        n_tok = m.tokens
+        by_file: dict[str, int] = {}
+        for s in m.shards:
+            for name, b in s.bytes.items():
+                if name != "stats":  # folded into the index's statistics and deleted by the reduce
+                    by_file[name] = by_file.get(name, 0) + b
+        for f in ("prototypes.parquet", "vocab.parquet", CALIBRATION, FAISS_TEMPLATE, "stats.safetensors"):
+            by_file[f] = layout.dir_bytes(self.out / f)
+        corpus = CorpusStats()
+        for s in m.shards:
+            corpus.merge(CorpusStats.from_dict(s.corpus))
+        # how far the calibration sample's curvature is from the whole corpus's
+        full = finalize(calib.curvature.Q, total.lam, total.count, max(n_tok, 1), self.cfg.damping)
+        used = total.count > 0
+        rel = (calib.curvature.lam[used] - full.lam[used]).norm() / full.lam[used].norm().clamp_min(1e-30)
         usage = usage_stats(total.mass)
-        plan = m.plan
-        assert plan is not None
         return {
-            "documents": plan.documents, "sequences": plan.sequences, "tokens": n_tok,
-            "activation_rows": rows, "faiss_vectors": n_faiss,
-            "bad_records": plan.corpus["bad_records"], "bad_by_reason": plan.corpus["bad_by_reason"],
-            "bytes": bytes_, "total_bytes": sum(bytes_.values()),
-            "activation_bytes_per_token": bytes_["activations"] / max(n_tok, 1),
-            "total_bytes_per_token": sum(bytes_.values()) / max(n_tok, 1),
+            "documents": m.documents, "sequences": m.sequences, "tokens": n_tok, "shards": len(m.shards),
+            "bad_records": corpus.n_bad, "bad_by_reason": dict(corpus.bad),
+            "bytes": by_file, "total_bytes": sum(by_file.values()),
+            "bytes_per_token": {k: v / max(n_tok, 1) for k, v in by_file.items()},
+            "total_bytes_per_token": sum(by_file.values()) / max(n_tok, 1),
             "mean_loss": float(total.scalars[1]) / max(n_tok, 1),
             "R1bar": float(total.max_cos.mean()), "R2": float(total.scalars[2]) / max(n_tok, 1),
-            **usage, "damping": float(curv.damping),
+            **usage, "damping": float(calib.curvature.damping),
+            "calibration": {"tokens": m.calibration.tokens if m.calibration else 0,
+                            "corrections_relative_error_vs_corpus": float(rel),
+                            "faiss_spec": m.calibration.faiss_spec if m.calibration else None},
             "timings": m.timings,
         }
 
 
 def build_index(checkpoint: str | Path, corpus: list[str], out: str | Path, cfg: IndexConfig | None = None, *,
-                workers: int | None = None, ray_address: str | None = None, progress: bool = True) -> dict[str, Any]:
-    """Index ``corpus`` with the PRISM model at ``checkpoint`` into ``out``; resumes a partial index."""
-    return Indexer(checkpoint, corpus, out, cfg, progress=progress).run(workers=workers, ray_address=ray_address)
+                workers: int | None = None, ray_address: str | None = None, progress: bool = True,
+                append: bool = False) -> dict[str, Any]:
+    """Index ``corpus`` with the PRISM model at ``checkpoint`` into ``out``; resumes a partial index;
+    with ``append``, adds ``corpus`` to the existing index ``out`` as new shards."""
+    return Indexer(checkpoint, corpus, out, cfg, progress=progress).run(workers=workers, ray_address=ray_address,
+                                                                       append=append)

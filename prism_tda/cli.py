@@ -133,7 +133,7 @@ def cmd_index(args: argparse.Namespace) -> int:
         est = estimate(ix)
         print(json.dumps(est, indent=2) if args.json else format_estimate(est))
         return 0
-    summary = ix.run(workers=args.workers, ray_address=args.ray_address)
+    summary = ix.run(workers=args.workers, ray_address=args.ray_address, append=args.append)
     print(json.dumps(summary, indent=2))
     return 0
 
@@ -160,14 +160,30 @@ def cmd_attribute(args: argparse.Namespace) -> int:
 DEMO_PROMPTS = ["The only way to", "A computer", "Love is", "Never trust"]
 
 
+def _drop_outdated_index(index_dir: Path) -> None:
+    """The demo rebuilds its index when an older version of the project wrote it (or another config)."""
+    import shutil
+
+    from .engine import layout
+
+    try:
+        layout.read_manifest(index_dir)
+    except PrismError as e:
+        log.info("rebuilding the demo index", extra={"reason": str(e)})
+        shutil.rmtree(index_dir)
+
+
 def cmd_demo(args: argparse.Namespace) -> int:
     """Train (or reuse) the tiny demo model on the bundled corpus, index the corpus, show samples."""
+    from .engine.layout import IndexConfig
     from .indexer.run import build_index
     from .model import checkpoint as ckpt
     from .model.train import Trainer
 
     out = Path(args.out)
-    model_cfg, train_cfg = build_configs("tiny", None, args.set)
+    index_sets = [s for s in args.set if s.startswith("index.")]
+    model_cfg, train_cfg = build_configs("tiny", None, [s for s in args.set if s not in index_sets])
+    index_cfg = IndexConfig.from_dict(_merge_overrides({"index": {}}, None, index_sets)["index"], where="index config")
     done = False
     if (out / "latest").is_file():
         try:
@@ -185,14 +201,16 @@ def cmd_demo(args: argparse.Namespace) -> int:
     ckpt_path = ckpt.resolve(out)
     training = ckpt.read_config(ckpt_path)["training"]
     t_train = time.perf_counter() - t0
-    index = build_index(ckpt_path, [demo_corpus_path()], out / "index", progress=not args.no_progress)
+    index_dir = out / "index"
+    _drop_outdated_index(index_dir)
+    index = build_index(ckpt_path, [demo_corpus_path()], index_dir, index_cfg, progress=not args.no_progress)
     summary = {
         "checkpoint": str(ckpt_path), "index": str(out / "index"),
         "train_seconds": round(t_train, 1), "total_seconds": round(time.perf_counter() - t0, 1),
         "model": {k: training.get("eval", {}).get(k) for k in ("val_loss", "R1bar", "R2", "effective_prototypes",
                                                               "dead_prototypes")},
-        "index_summary": {k: index[k] for k in ("documents", "sequences", "tokens", "activation_rows",
-                                                "bad_records", "total_bytes")},
+        "index_summary": {k: index[k] for k in ("documents", "sequences", "tokens", "shards", "bad_records",
+                                                "total_bytes", "total_bytes_per_token")},
     }
     print(json.dumps(summary, indent=2))
     for prompt, text in zip(DEMO_PROMPTS, _generate(str(ckpt_path), DEMO_PROMPTS, 40, 0.8, 40, 0)):
@@ -379,9 +397,10 @@ def build_parser() -> argparse.ArgumentParser:
     g.set_defaults(fn=cmd_generate)
 
     ix = sub.add_parser("index", help="index a training corpus with a PRISM checkpoint",
-                        description="Run a PRISM model over its training corpus and write the activation "
-                                    "store (Parquet), curvature statistics and a FAISS index. Re-running "
-                                    "resumes a partial index.")
+                        description="Run a PRISM model over its training corpus and write a sharded index "
+                                    "(per-token activations and compressed attribution vectors, posting "
+                                    "lists, documents, a FAISS part per shard). Re-running resumes a "
+                                    "partial index; --append adds documents as new shards.")
     ix.add_argument("--checkpoint", required=True, help="checkpoint or run directory")
     ix.add_argument("--corpus", nargs="+", help="JSONL(.gz), Parquet or .txt folders (default: the demo corpus)")
     ix.add_argument("--out", required=True, help="index directory")
@@ -391,7 +410,11 @@ def build_parser() -> argparse.ArgumentParser:
     where = ix.add_mutually_exclusive_group()
     where.add_argument("--workers", type=int, help="run the forward stage on a local Ray cluster of N workers")
     where.add_argument("--ray-address", help="run the forward stage on this Ray cluster (e.g. ray://head:10001)")
-    ix.add_argument("--dry-run", action="store_true", help="print estimated disk, memory and time; write nothing")
+    ix.add_argument("--append", action="store_true",
+                    help="add the corpus's documents to the existing index --out as new shards (same model, "
+                         "same calibration; the existing shards are left as they are)")
+    ix.add_argument("--dry-run", action="store_true",
+                    help="print estimated disk, indexing memory and time, and serving memory; write nothing")
     ix.add_argument("--json", action="store_true", help="with --dry-run: print JSON")
     ix.add_argument("--no-progress", action="store_true")
     ix.set_defaults(fn=cmd_index)
@@ -439,7 +462,7 @@ def build_parser() -> argparse.ArgumentParser:
     sv.set_defaults(fn=cmd_serve)
 
     q = sub.add_parser("sql", help="read-only SQL over an index's tables (the service's locked engine)",
-                       description="Run one SELECT over documents, sequences, activations, token_grads, "
+                       description="Run one SELECT over documents, sequences, tokens, activations, shards, "
                                    "prototypes, vocab (and audit_results with --state-dir).")
     q.add_argument("--index", required=True, metavar="[NAME=]DIR", help="index directory")
     q.add_argument("sql", help='one SELECT statement, e.g. "SELECT count(*) FROM activations"')

@@ -28,9 +28,10 @@ from prism_tda.errors import PrismError
 from prism_tda.model.generate import Generation, generate
 
 from . import problems
+from .catalog import Catalog
 from .settings import Settings, parse_bytes
+from .sqlengine import TABLES
 from .sqlpool import SqlLimits, SqlPool
-from .store import Store
 
 log = logging.getLogger("prism.service")
 
@@ -40,21 +41,16 @@ class LoadedIndex:
     name: str
     dir: Path
     attributor: Attributor
-    store: Store
+    catalog: Catalog
     sql: SqlPool
     load_seconds: float
 
     @classmethod
     def load(cls, name: str, index_dir: Path, settings: Settings) -> LoadedIndex:
         t0 = time.perf_counter()
-        att = Attributor.open(index_dir)
-        store = Store(index_dir)
-        try:
-            sql = SqlPool(index_dir, sql_limits(settings), settings.state_dir / "state.sqlite3")
-        except BaseException:
-            store.close()
-            raise
-        ix = cls(name, Path(index_dir), att, store, sql, time.perf_counter() - t0)
+        att = Attributor.open(index_dir, exact_token_limit=settings.exact_max_tokens)
+        sql = SqlPool(index_dir, sql_limits(settings), settings.state_dir / "state.sqlite3")
+        ix = cls(name, Path(index_dir), att, Catalog(att.reader), sql, time.perf_counter() - t0)
         log.info("index loaded", extra={"index": name, "dir": str(index_dir), "seconds": round(ix.load_seconds, 2),
                                         "documents": ix.n_documents, "prototypes": ix.n_prototypes})
         return ix
@@ -73,11 +69,11 @@ class LoadedIndex:
         return self.manifest.documents
 
     def info(self) -> dict[str, Any]:
-        plan = self.manifest.plan
-        assert plan is not None  # a complete index has been planned
-        return {"name": self.name, "documents": plan.documents, "sequences": plan.sequences, "tokens": plan.tokens,
+        m = self.manifest
+        return {"name": self.name, "documents": m.documents, "sequences": m.sequences, "tokens": m.tokens,
                 "prototypes": self.n_prototypes, "context": self.attributor.encoder.context,
-                "vocab_size": self.attributor.model.cfg.vocab_size, "tables": self.store.tables}
+                "vocab_size": self.attributor.model.cfg.vocab_size, "tables": list(TABLES),
+                "shards": len(self.manifest.shards)}
 
     # ------------------------------------------------------------------------ checks
     def check_query(self, spec: QuerySpec) -> None:
@@ -106,7 +102,7 @@ class LoadedIndex:
         if not 0 <= proto_id < self.n_prototypes:
             raise problems.PrototypeNotFound(f"prototype {proto_id} does not exist in index {self.name!r} "
                                              f"(ids 0..{self.n_prototypes - 1})")
-        row = self.store.prototype(proto_id)
+        row = self.catalog.prototype(proto_id)
         if row is None:
             raise problems.PrototypeNotFound(f"prototype {proto_id} has no row in index {self.name!r}")
         model, tok = self.attributor.model, self.attributor.tokenizer
@@ -114,7 +110,7 @@ class LoadedIndex:
         signature = [{"token_id": int(i), "token": tok.decode([int(i)]), "logit": float(v)}
                      for v, i in zip(vals[0], idx[0], strict=True)]
         contexts = []
-        for c in self.store.top_contexts(proto_id, n_contexts) if n_contexts else []:
+        for c in self.catalog.top_contexts(proto_id, n_contexts) if n_contexts else []:
             ids, pos = c["token_ids"], c["pos"]
             contexts.append({"doc_id": c["doc_id"], "seq_id": c["seq_id"], "pos": pos, "act": float(c["act"]),
                              "before": tok.decode(ids[max(0, pos - 12): pos]), "token": tok.decode(ids[pos: pos + 1]),
@@ -124,12 +120,7 @@ class LoadedIndex:
                 "top_tokens": list(row["top_tokens"] or []), "signature": signature, "top_contexts": contexts}
 
     def close(self) -> None:
-        _close(self.sql, self.store)
-
-
-def _close(sql: SqlPool, store: Store) -> None:
-    sql.close()
-    store.close()
+        self.sql.close()
 
 
 def sql_limits(settings: Settings) -> SqlLimits:
@@ -216,7 +207,7 @@ class Registry:
             self.indexes = {**self.indexes, name: new}
             # The old version's store closes once no in-flight request holds the old object.
             # (the callback must not hold ``old`` itself, or it would never be collected)
-            weakref.finalize(old, _close, old.sql, old.store)
+            weakref.finalize(old, old.sql.close)
         log.info("index swapped", extra={"index": name, "old_dir": str(old.dir), "new_dir": str(new.dir),
                                          "documents": new.n_documents, "seconds": round(new.load_seconds, 2)})
         return old, new

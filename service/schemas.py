@@ -39,9 +39,17 @@ class AttributeRequest(Strict):
                                                                         "and attribute them (no `completion`).")
     target_index: int | None = Field(None, ge=0, le=100_000, description="Attribute only this target token.")
     top_k: int = Field(10, ge=1, le=1000, description="Documents to return (at most the server's max_top_k).")
-    mode: Mode = Field("fast", description="fast: FAISS and posting-list candidates + exact re-rank; exact: every "
-                                           "training token sharing a prototype.")
+    mode: Mode = Field("fast", description="fast: FAISS and posting-list candidates, shortlisted from the stored "
+                                           "codes, re-ranked exactly; exact: every training token recomputed by "
+                                           "the model (refused past the server's exact_max_tokens).")
     n_candidates: int = Field(256, ge=1, le=16_384, description="Candidate sequences the fast path asks FAISS for.")
+    exact_rerank: int = Field(32, ge=1, le=1024, description="Fast path: documents re-scored exactly by the model "
+                                                             "before ranking (at least top_k are).")
+    exact_tokens: int | None = Field(16, ge=1, le=4096, description="Fast path, best-token aggregations: tokens "
+                                     "of each re-ranked sequence re-scored exactly, the best by their "
+                                     "approximate scores first; null: every token.")
+    nprobe: int | None = Field(None, ge=1, le=65_536, description="FAISS lists searched (IVF indexes; default: "
+                                                                  "the index's, in its manifest).")
     opponents: bool = Field(False, description="Return the documents that most oppose the output.")
     damping: float | None = Field(None, gt=0, le=1e6, description="Curvature damping, x the mean curvature "
                                                                   "eigenvalue (default: the index's).")
@@ -54,7 +62,8 @@ class AttributeRequest(Strict):
 
     def options(self) -> QueryOptions:
         return QueryOptions(n_documents=self.top_k, mode=self.mode, n_candidates=self.n_candidates,
-                            opponents=self.opponents, damping=self.damping, aggregation=self.aggregation)
+                            opponents=self.opponents, damping=self.damping, aggregation=self.aggregation,
+                            exact_rerank=self.exact_rerank, exact_tokens=self.exact_tokens, nprobe=self.nprobe)
 
     @model_validator(mode="after")
     def _one_target(self) -> AttributeRequest:
@@ -74,7 +83,8 @@ class AttributeResponse(BaseModel):
     documents: list[ScoredDocument]
     per_token: list[TokenView]
     timings_ms: Timings
-    rows_scored: int = Field(description="Training activation rows scored.")
+    tokens_scored: int = Field(description="Training tokens scored (fast: the candidates' tokens, approximately; "
+                                           "exact: every token).")
 
 
 # ---------------------------------------------------------------------------- generate

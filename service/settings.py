@@ -89,6 +89,9 @@ class Settings(BaseSettings):
     compute_concurrency: int = Field(2, ge=1, description="Model/attribution computations that run at once "
                                                           "per index; more requests wait their turn.")
     torch_threads: int | None = Field(None, ge=1, description="torch intra-op threads (default: torch's own).")
+    exact_max_tokens: int = Field(
+        2_000_000, ge=0, description="Largest index (in tokens) on which `mode: exact` is answered: it runs the model "
+                                     "over every training token. Larger indexes answer 422 `invalid-query`.")
     sql_timeout_s: float = Field(5.0, gt=0, description="Time limit of one SQL query; the query is "
                                                         "interrupted when it runs out.")
     sql_max_rows: int = Field(10_000, ge=1, description="Most rows a SQL query may return; larger results "

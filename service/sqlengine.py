@@ -30,10 +30,10 @@ from pathlib import Path
 from typing import Any, BinaryIO
 
 import duckdb
+import numpy as np
 import pyarrow as pa
 
-TABLES = ("documents", "sequences", "activations", "token_grads")
-SINGLE_FILES = ("prototypes", "vocab")
+TABLES = ("documents", "sequences", "tokens", "activations", "prototypes", "vocab", "shards")
 
 
 class SqlRefusal(Exception):
@@ -44,37 +44,81 @@ class SqlRefusal(Exception):
         self.kind, self.detail = kind, detail
 
 
-def _quote(s: str) -> str:
-    return "'" + s.replace("'", "''") + "'"
-
-
 def _first_line(e: Exception) -> str:
     msg = str(e).strip()
     return msg.split("\n")[0] if msg else type(e).__name__
 
 
-def table_files(index_dir: Path) -> dict[str, list[Path]]:
-    """The Parquet files behind each table of an index; raises ``FileNotFoundError`` naming a missing one."""
-    files: dict[str, list[Path]] = {t: sorted((index_dir / t).glob("part-*.parquet")) for t in TABLES}
-    files.update({t: [index_dir / f"{t}.parquet"] for t in SINGLE_FILES})
-    missing = [t for t, fs in files.items() if not fs or not all(f.is_file() for f in fs)]
-    if missing:
-        raise FileNotFoundError(f"{index_dir}: table(s) {missing} missing")
-    return files
+def _quote(s: str) -> str:
+    return "'" + s.replace("'", "''") + "'"
+
+
+def _arrow_tokens(shard: Path) -> pa.Table:
+    """A shard's per-token arrays as an Arrow table over their memory maps (no copy)."""
+    tokens = np.load(shard / "tokens.npy", mmap_mode="r")
+    protos = np.load(shard / "protos.npy", mmap_mode="r")
+    acts = np.load(shard / "acts.npy", mmap_mode="r")
+    k = protos.shape[1]
+    return pa.table({"token_id": pa.array(tokens),
+                     "protos": pa.FixedSizeListArray.from_arrays(pa.array(protos.reshape(-1)), k),
+                     "acts": pa.FixedSizeListArray.from_arrays(pa.array(acts.reshape(-1)), k)})
 
 
 def open_locked(index_dir: Path, *, memory_limit: str, threads: int) -> duckdb.DuckDBPyConnection:
-    """An in-memory DuckDB database whose only tables are the index's, locked down (see module doc)."""
-    files = table_files(index_dir)
+    """An in-memory DuckDB database whose only tables are the index's, locked down (see module doc).
+
+    ``documents`` and ``sequences`` are views over the shards' Parquet files with their global ids;
+    ``tokens`` and ``activations`` put the shards' memory-mapped arrays (registered as Arrow tables)
+    beside their sequences' positions (a positional join: token rows follow sequence order), and
+    decode the stored 8-bit activations on each prototype's log scale."""
+    from prism_tda.engine import layout
+
+    m = layout.read_manifest(index_dir)
+    if m is None or not m.complete:
+        raise FileNotFoundError(f"{index_dir}: not a complete index (manifest.json missing or incomplete)")
     con = duckdb.connect(":memory:", config={
         "memory_limit": memory_limit, "threads": threads,
         "autoinstall_known_extensions": False, "autoload_known_extensions": False,
         "python_enable_replacements": False,  # user SQL cannot name Python variables
     })
-    for table, fs in files.items():
-        con.execute(f"CREATE VIEW {table} AS SELECT * FROM read_parquet([{', '.join(_quote(str(f)) for f in fs)}])")
-    allowed = [str(f) for fs in files.values() for f in fs]
-    con.execute(f"SET allowed_paths = [{', '.join(_quote(a) for a in allowed)}]")
+    allowed = [index_dir / "prototypes.parquet", index_dir / "vocab.parquet"]
+    docs, seqs, toks, acts, bases = [], [], [], [], []
+    doc0 = seq0 = tok0 = 0
+    for i, sh in enumerate(m.shards):
+        d = layout.shard_dir(index_dir, sh.unit)
+        allowed += [d / "documents.parquet", d / "sequences.parquet"]
+        con.register(f"_tokens_{i}", _arrow_tokens(d))
+        docs.append(f"SELECT doc + {doc0} AS doc_id, external_id, source, title, url, text, n_tokens, trained "
+                    f"FROM read_parquet({_quote(str(d / 'documents.parquet'))})")
+        seqs.append(f"SELECT seq + {seq0} AS seq_id, doc + {doc0} AS doc_id, start_token, n_tokens "
+                    f"FROM read_parquet({_quote(str(d / 'sequences.parquet'))})")
+        pos = (f"(SELECT seq + {seq0} AS seq_id, doc + {doc0} AS doc_id, unnest(range(n_tokens)) AS pos "
+               f"FROM read_parquet({_quote(str(d / 'sequences.parquet'))})) s POSITIONAL JOIN _tokens_{i} t")
+        toks.append(f"SELECT s.seq_id, s.pos, t.token_id, s.doc_id FROM {pos}")
+        acts.append(f"SELECT s.seq_id, s.pos, t.token_id, unnest(t.protos) AS proto_id, unnest(t.acts) AS q, "
+                    f"s.doc_id FROM {pos}")
+        bases.append(f"({i}, {sh.unit}, {sh.n_docs}, {sh.n_seqs}, {sh.n_tokens}, {doc0}, {seq0}, {tok0})")
+        doc0, seq0, tok0 = doc0 + sh.n_docs, seq0 + sh.n_seqs, tok0 + sh.n_tokens
+    def union(parts: list[str], columns: str) -> str:  # an index without shards: empty, typed tables
+        return " UNION ALL ".join(parts) or f"SELECT {columns} WHERE false"
+
+    con.execute(f"CREATE VIEW prototypes AS SELECT * FROM read_parquet({_quote(str(index_dir / 'prototypes.parquet'))})")
+    con.execute(f"CREATE VIEW vocab AS SELECT * FROM read_parquet({_quote(str(index_dir / 'vocab.parquet'))})")
+    con.execute("CREATE VIEW documents AS " + union(docs, "0::BIGINT AS doc_id, ''::VARCHAR AS external_id, "
+                "''::VARCHAR AS source, ''::VARCHAR AS title, ''::VARCHAR AS url, ''::VARCHAR AS text, "
+                "0::INTEGER AS n_tokens, true AS trained"))
+    con.execute("CREATE VIEW sequences AS " + union(seqs, "0::BIGINT AS seq_id, 0::BIGINT AS doc_id, "
+                "0::INTEGER AS start_token, 0::SMALLINT AS n_tokens"))
+    con.execute("CREATE VIEW tokens AS " + union(toks, "0::BIGINT AS seq_id, 0::BIGINT AS pos, "
+                "0::INTEGER AS token_id, 0::BIGINT AS doc_id"))
+    con.execute("CREATE VIEW activations AS SELECT a.seq_id, a.pos, a.token_id, a.proto_id, "
+                "exp(p.act_lo + (a.q - 1) / 254.0 * (p.act_hi - p.act_lo))::FLOAT AS act, a.doc_id "
+                f"FROM ({union(acts, '0::BIGINT AS seq_id, 0::BIGINT AS pos, 0::INTEGER AS token_id, 0::INTEGER AS proto_id, 0::UTINYINT AS q, 0::BIGINT AS doc_id')}) a "
+                "JOIN prototypes p USING (proto_id) WHERE a.q > 0")
+    con.execute("CREATE VIEW shards AS SELECT * FROM (VALUES " + (", ".join(bases) or "(0, 0, 0, 0, 0, 0, 0, 0)")
+                + ") v(shard, unit, n_docs, n_seqs, n_tokens, doc_base, seq_base, token_base)"
+                + ("" if bases else " WHERE false"))
+    con.execute(f"SET allowed_paths = [{', '.join(_quote(str(a)) for a in allowed)}]")
     con.execute("SET temp_directory = ''")  # no spilling to disk: the memory limit is the limit
     con.execute("SET enable_external_access = false")
     con.execute("SET lock_configuration = true")
@@ -127,11 +171,15 @@ class Engine:
         """(header, rows as one JSON array) for one statement; raises :class:`SqlRefusal`."""
         query = check_statement(sql)
         t0 = time.perf_counter()
-        cur = self.con.cursor()
+        # the connection itself (one statement at a time per worker): the shards' Arrow tables are
+        # registered on it, and a cursor would not see them
+        cur = self.con
         timer = threading.Timer(self.timeout_s, cur.interrupt)
+        registered = False
         try:
             if audit_results is not None and "audit_results" in query.lower():
                 cur.register("audit_results", audit_results())
+                registered = True
             timer.start()
             # small batches: a batch of wide rows is what the result-size cap has to stop
             reader = cur.sql(query).limit(self.max_rows + 1).to_arrow_reader(64)
@@ -151,7 +199,8 @@ class Engine:
             raise SqlRefusal("sql-error", _first_line(e)) from None
         finally:
             timer.cancel()
-            cur.close()
+            if registered:
+                cur.unregister("audit_results")
         return {"ok": True, "columns": columns, "row_count": n}, rows
 
     def _encode(self, reader: pa.RecordBatchReader, t0: float) -> tuple[bytes, int]:

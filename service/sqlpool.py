@@ -39,7 +39,7 @@ from typing import Any
 from prism_tda.errors import PrismError
 from prism_tda.procmem import status_bytes
 
-from .sqlengine import SqlRefusal, table_files
+from .sqlengine import SqlRefusal
 
 log = logging.getLogger("prism.service.sql")
 
@@ -123,10 +123,11 @@ class SqlPool:
     START_TIMEOUT_S = 60.0
 
     def __init__(self, index_dir: Path, limits: SqlLimits, state_path: Path | None = None) -> None:
-        try:
-            table_files(Path(index_dir))
-        except FileNotFoundError as e:
-            raise PrismError(str(e)) from None
+        from prism_tda.engine import layout
+
+        m = layout.read_manifest(Path(index_dir))
+        if m is None or not m.complete:
+            raise PrismError(f"{index_dir}: not a complete index (manifest.json missing or incomplete)")
         self.limits = limits
         self.share = limits.memory_limit_bytes // limits.workers
         self.config = {

@@ -65,7 +65,7 @@ def tiny_ckpt(tiny_corpus, tiny_tokenizer, tmp_path_factory) -> Path:
 
 
 def index_cfg(**kw) -> IndexConfig:
-    base = dict(shard_documents=150, batch_size=16, basis_sequences=64, embed_dim=16, sketch_buckets=8)
+    base = dict(shard_bytes=36_000, batch_size=16, embed_dim=16, sketch_buckets=8, posting_cells=16, code_bits=8)
     base.update(kw)
     return IndexConfig(**base)
 

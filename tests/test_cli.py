@@ -56,20 +56,23 @@ def test_index_dry_run_and_attribute(index, tiny_ckpt, tiny_corpus, tmp_path, ca
     assert main(["index", "--checkpoint", str(tiny_ckpt), "--corpus", str(tiny_corpus), "--out", str(out),
                  "--dry-run", "--json", "--no-progress"]) == 0
     est = json.loads(capsys.readouterr().out)
-    assert est["documents"] == 600 and est["tokens"] > 0 and not out.exists()
+    assert 0.7 < est["documents"] / 600 < 1.4 and est["tokens"] > 0 and not out.exists()
     assert main(["index", "--checkpoint", str(tiny_ckpt), "--out", str(out), "--set", "index.nope=1"]) == 2
     assert "unknown field" in capsys.readouterr().err
     assert main(["attribute", "--index", str(index), "--prompt", "A computer", "--completion", " is a",
                  "--top-k", "3", "--json"]) == 0
     res = json.loads(capsys.readouterr().out)
-    assert len(res["documents"]) == 3 and all("snippet" in d and d["external_id"] for d in res["documents"])
+    assert len(res["documents"]) == 3 and all(d["snippet"] and d["external_id"] for d in res["documents"])
+    for d in res["documents"]:  # the highlights point into the snippet that is printed
+        assert d["highlights"] and all(d["snippet"][h["start"]:h["end"]] == h["text"] for h in d["highlights"])
 
 
 @pytest.mark.slow
 def test_demo_end_to_end_with_a_tiny_model(tmp_path, capsys):
     """The main job on the whole bundled corpus (model shrunk so it runs in seconds), then reused."""
     sets = ["model.d_model=32", "model.n_layer=1", "model.n_head=2", "model.n_prototypes=32", "model.vocab_size=512",
-            "train.max_steps=4", "train.eval_every=4", "train.ckpt_every=4", "train.eval_tokens=1024"]
+            "train.max_steps=4", "train.eval_every=4", "train.ckpt_every=4", "train.eval_tokens=1024",
+            "index.code_bits=8", "index.calibration_tokens=32768", "index.posting_cells=16"]
     args = ["demo", "--out", str(tmp_path / "demo"), "--no-progress", "--no-serve"]
     for s in sets:
         args += ["--set", s]

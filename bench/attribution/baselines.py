@@ -202,13 +202,14 @@ def trak_scores(model, train: TokenDataset, queries: TokenDataset, work: Path, *
 def score_index(method: str, index_dir: Path, queries: list[tuple[list[int], list[int]]], work: Path) -> dict:
     """EK-FAC or TRAK scores of the queries ((prompt ids, completion ids)) against every indexed
     sequence, with the index's own model; adds ``seq_doc`` (each sequence's document) and ``model``."""
-    import pyarrow.parquet as pq
 
     from prism_tda.engine import layout as store
     from prism_tda.model import checkpoint as ckpt
 
     model, _, _ = ckpt.load_checkpoint(store.read_manifest(index_dir).checkpoint)
-    seqs = pq.read_table(index_dir / "sequences", columns=["doc_id", "token_ids", "target_ids"]).to_pydict()
+    from _common import index_sequences
+
+    seqs = index_sequences(index_dir)
     block = model.cfg.block_size
     train = TokenDataset.from_sequences(seqs["token_ids"], seqs["target_ids"], block)
     fn = ekfac_scores if method == "ekfac" else trak_scores

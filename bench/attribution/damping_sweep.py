@@ -20,7 +20,7 @@ import numpy as np
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 sys.path.insert(0, str(HERE))
-from _common import finish  # noqa: E402
+from _common import finish, index_documents  # noqa: E402
 from run_eval import rank_of, spearman, summarise  # noqa: E402
 
 from prism_tda.engine import Attributor, QuerySpec  # noqa: E402
@@ -36,7 +36,7 @@ def main(argv: list[str] | None = None) -> dict:
     work = Path(args.work)
     queries = json.loads((work / "queries.json").read_text())
     att = Attributor.open(work / "index")
-    ext = {e: i for i, e in enumerate(att.reader.doc_external) if e is not None}
+    ext = {e: i for i, e in enumerate(index_documents(work / "index", ["external_id"])["external_id"]) if e is not None}
     n = att.reader.n_docs
     files = sorted((work / "lds").glob("subset_*.json"))
     rng = np.random.default_rng(args.seed)  # the same draws as run_eval.py

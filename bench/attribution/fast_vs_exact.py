@@ -17,10 +17,9 @@ import sys
 from pathlib import Path
 
 import numpy as np
-import pyarrow.parquet as pq
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from _common import finish  # noqa: E402
+from _common import finish, index_documents  # noqa: E402
 
 from prism_tda.engine import Attributor, FirstStages, QueryOptions, QuerySpec  # noqa: E402
 
@@ -37,7 +36,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--out", default="bench/results/fast_vs_exact.json")
     args = ap.parse_args(argv)
     att = Attributor.open(args.index)
-    texts = pq.read_table(Path(args.index) / "documents", columns=["text"])["text"].to_pylist()
+    texts = index_documents(args.index, ["text"])["text"]
     rng = np.random.default_rng(0)
     queries = []
     need = args.prompt_tokens + args.completion_tokens

@@ -23,11 +23,10 @@ import time
 from pathlib import Path
 
 import numpy as np
-import pyarrow.parquet as pq
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from _common import finish  # noqa: E402
+from _common import finish, index_documents  # noqa: E402
 from planted import make_facts, write_corpus  # noqa: E402
 
 from prism_tda.cli import build_configs  # noqa: E402
@@ -86,8 +85,7 @@ def main(argv: list[str] | None = None) -> dict:
     index_s = time.perf_counter() - t0
 
     att = Attributor.open(index_dir)
-    docs = pq.read_table(sorted((index_dir / "documents").glob("*.parquet")),
-                         columns=["doc_id", "external_id", "text"]).to_pydict()
+    docs = index_documents(index_dir, ["doc_id", "external_id", "text"])
     ext = docs["external_id"]
     rss_prism = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
@@ -120,7 +118,7 @@ def main(argv: list[str] | None = None) -> dict:
             top_f, top_e = set(res["fast"][:10]), set(res["exact"][:10])
             overlaps.append(len(top_f & top_e) / max(len(top_e), 1))
             seqs = att.candidate_sequences(att.encode(QuerySpec(prompt, f.answer)), args.candidates)
-            cand_docs = {ext[int(d)] for d in att.reader.seq_doc[seqs]}
+            cand_docs = {ext[int(d)] for d in att.reader.doc_of_seqs(seqs)}
             cand_recalls.append(len(top_e & cand_docs) / max(len(top_e), 1))
             t1 = time.perf_counter()
             scores = bm25.get_scores((prompt + f.answer).lower().split())

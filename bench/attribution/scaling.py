@@ -28,7 +28,7 @@ import torch
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 sys.path.insert(0, str(HERE))
-from _common import finish, peak_rss_mb  # noqa: E402
+from _common import finish, index_documents, peak_rss_mb  # noqa: E402
 
 from prism_tda import demo_corpus_path  # noqa: E402
 
@@ -63,7 +63,7 @@ def _time_method(method: str, index_dir: str, out_json: str, queries: list[tuple
         r = baselines.score_index(method, index, [(tok.encode(p).ids, tok.encode(c).ids) for p, c in queries], work)
         out |= {"setup_seconds": r["fit_seconds"], "seconds_per_query": r["score_seconds"] / len(queries)}
     elif method == "bm25":
-        docs = pq.read_table(index / "documents", columns=["text"])["text"].to_pylist()
+        docs = index_documents(index, ["text"])["text"]
         r = baselines.bm25_scores(docs, [p + c for p, c in queries])
         out |= {"setup_seconds": r["fit_seconds"], "seconds_per_query": r["score_seconds"] / len(queries)}
     out["peak_rss_mb"] = peak_rss_mb()

@@ -21,4 +21,4 @@ async def attribute(body: AttributeRequest, services: ServicesDep) -> AttributeR
     res = await services.run(ix, ix.attribute, body.spec(), body.options())
     return AttributeResponse(index=ix.name, mode=res.mode, aggregation=res.aggregation, damping=res.damping,
                              query=res.query, documents=res.documents, per_token=res.per_token,
-                             timings_ms=res.timings_ms, rows_scored=res.rows_scored)
+                             timings_ms=res.timings_ms, tokens_scored=res.tokens_scored)

@@ -17,7 +17,7 @@ router = APIRouter(prefix="/documents", tags=["documents"])
 async def _batch(services: Services, index: str | None, ids: list[int]) -> DocumentBatch:
     ix = services.registry.get(index)
     services.check_limits(n_items=("ids", len(ids)))
-    found = await services.run(ix, ix.store.documents, ids)
+    found = await services.run(ix, ix.catalog.documents, ids)
     uniq = list(dict.fromkeys(ids))
     return DocumentBatch(index=ix.name, documents=[Document(**found[i]) for i in uniq if i in found],
                          missing=[i for i in uniq if i not in found])
@@ -63,7 +63,7 @@ async def get_document(doc_id: Annotated[int, Path(ge=0, le=2**31 - 1)], service
                        index: IndexQuery = None) -> Document:
     """One training document: its corpus id, source, title/url when known, text and token count."""
     ix = services.registry.get(index)
-    found = await services.run(ix, ix.store.documents, [doc_id])
+    found = await services.run(ix, ix.catalog.documents, [doc_id])
     if doc_id not in found:
         raise p.DocumentNotFound(f"document {doc_id} does not exist in index {ix.name!r}")
     return Document(**found[doc_id])

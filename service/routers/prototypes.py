@@ -29,7 +29,7 @@ async def list_prototypes(services: ServicesDep, index: IndexQuery = None,
                           offset: Annotated[int, Query(ge=0, le=2**31 - 1)] = 0) -> PrototypeList:
     """Prototypes ordered by activation mass (default), token count or id."""
     ix = services.registry.get(index)
-    total, rows = await services.run(ix, ix.store.prototypes, limit, offset, order)
+    total, rows = await services.run(ix, ix.catalog.prototypes, limit, offset, order)
     return PrototypeList(index=ix.name, total=total,
                          prototypes=[PrototypeSummary(**{**r, "top_tokens": list(r["top_tokens"] or [])})
                                      for r in rows])

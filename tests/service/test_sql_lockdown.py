@@ -88,8 +88,10 @@ def test_nothing_was_written_or_changed(client, tmp_path):
                                             "current_setting('lock_configuration') AS locked"})
     assert r.json()["rows"] == [[False, True]]
     tables = client.post("/v1/sql", json={"sql": "SELECT table_name FROM information_schema.tables ORDER BY 1"})
-    assert [t[0] for t in tables.json()["rows"]] == sorted(
-        ["activations", "documents", "prototypes", "sequences", "token_grads", "vocab"])
+    names = [t[0] for t in tables.json()["rows"]]
+    n_shards = client.post("/v1/sql", json={"sql": "SELECT count(*) FROM shards"}).json()["rows"][0][0]
+    assert names == sorted(["activations", "documents", "prototypes", "sequences", "shards", "tokens", "vocab",
+                            *(f"_tokens_{i}" for i in range(n_shards))])
 
 
 def test_too_many_rows_names_the_cap(client):

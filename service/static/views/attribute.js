@@ -73,7 +73,7 @@ export async function render(root, { params }) {
       try {
         const res = await api("POST", "/v1/attribute", { body: req });
         last = { req, res, selected: null, scope: "output", tokenDocs: new Map() };
-        status.textContent = `${res.per_token.length} tokens · ${res.rows_scored} training tokens scored · ` +
+        status.textContent = `${res.per_token.length} tokens · ${res.tokens_scored} training tokens scored · ` +
           `${Math.round(res.timings_ms.total ?? 0)} ms`;
         showResult(out);
       } catch (err) {

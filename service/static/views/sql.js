@@ -4,7 +4,7 @@ import { api } from "../api.js";
 import { clear, h } from "../dom.js";
 import { busy, errorBox } from "../ui.js";
 
-const TABLES = ["documents", "sequences", "activations", "token_grads", "prototypes", "vocab", "audit_results"];
+const TABLES = ["documents", "sequences", "tokens", "activations", "prototypes", "vocab", "shards", "audit_results"];
 export const EXAMPLES = [
   ["Most used prototypes",
     "SELECT proto_id, n_tokens, round(mass / sum(mass) OVER (), 4) AS share, top_tokens[1:5] AS signature\n" +

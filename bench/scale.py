@@ -1,0 +1,525 @@
+"""Scale: disk, serving memory, latency and fast-vs-exact agreement as the corpus grows by 4x.
+
+**Real sizes** come from one index over a prefix of the scale corpus (``bench/scale_corpus.py``:
+Debian documentation, the fortunes and planted facts), built by ``prism index`` with the demo
+model in shards of about 1M tokens. The smaller real sizes are that index's first shards: an index
+is its shards plus a manifest, and a manifest over the first n shards is exactly the index of
+those documents under the same calibration (built the same way by ``--append``). Index time per
+size is the calibration plus those shards' build seconds; the whole build's wall time is reported
+beside it.
+
+**Synthetic sizes** (labelled so in the results) merge every real shard into one shard of the
+size a default build makes (``index.shard_bytes`` 64 MB: about 23M tokens of this corpus) and copy
+its files (real values, a repeated corpus) under new work-unit numbers until the index holds 4x
+and 16x the largest real size; each copy's FAISS ids are rewritten to its unit. They measure
+serving cost (disk, memory, latency), not attribution quality.
+
+For every size: ``prism serve`` is started on the index as its own process, time to ``/readyz``,
+``POST /v1/attribute`` (fast mode, top 10, a 48-token prompt and its 16-token continuation from
+held-out documents of the corpus, one query at a time) p50/p99, and the server's anonymous memory
+(``RssAnon``) after the queries, against the same server on an empty index (no shards). Overlap@10
+of the fast path with the exact ranking (every token recomputed) is measured in-process at one
+real size.
+
+    python bench/scale_corpus.py --out runs/scale/corpus
+    prism index --checkpoint runs/demo/latest --out runs/scale/real --set index.shard_bytes=3145728 \\
+        --corpus runs/scale/corpus/part-000.jsonl runs/scale/corpus/part-001.jsonl runs/scale/corpus/part-002.jsonl
+    python bench/scale.py --real runs/scale/real --work runs/scale
+
+Writes ``bench/results/scale.json`` and ``docs/img/scale.png`` (with matplotlib installed).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import shutil
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _common import finish, served  # noqa: E402
+
+from prism_tda.engine import layout  # noqa: E402
+from prism_tda.model.tokenizer import load_tokenizer  # noqa: E402
+from prism_tda.procmem import status_bytes, tree_bytes  # noqa: E402
+
+TOP_FILES = ("manifest.json", "calibration.safetensors", "faiss_template.index", "prototypes.parquet",
+             "vocab.parquet", "stats.safetensors")
+
+
+# --------------------------------------------------------------------------- indexes of each size
+def subset_index(real: Path, n_shards: int, out: Path) -> Path:
+    """The index of ``real``'s first ``n_shards`` shards: a manifest, links to the shared files and shards."""
+    m = layout.read_manifest(real)
+    if out.exists():
+        shutil.rmtree(out)
+    (out / layout.SHARDS).mkdir(parents=True)
+    for name in TOP_FILES[1:]:
+        (out / name).symlink_to((real / name).resolve())
+    for sh in m.shards[:n_shards]:
+        layout.shard_dir(out, sh.unit).symlink_to(layout.shard_dir(real, sh.unit).resolve())
+    m.shards = m.shards[:n_shards]
+    m.units = [u for u in m.units if u.unit in {s.unit for s in m.shards}]
+    (out / layout.MANIFEST).write_text(json.dumps(m.to_dict(), indent=2))
+    return out
+
+
+def _reunit_faiss(path: Path, unit: int) -> None:
+    """Rewrite a copied shard's FAISS ids to name its new work unit."""
+    import faiss
+
+    ix = faiss.read_index(str(path))
+    try:
+        ivf = faiss.extract_index_ivf(ix)
+    except RuntimeError:
+        ids = faiss.vector_to_array(ix.id_map)
+        faiss.copy_array_to_vector(layout.faiss_ids(unit, layout.split_faiss_ids(ids)[1]), ix.id_map)
+    else:
+        il = faiss.downcast_InvertedLists(ivf.invlists)
+        for lst in range(ivf.nlist):
+            n = il.list_size(lst)
+            if n:
+                ids = faiss.rev_swig_ptr(il.get_ids(lst), n).copy()
+                codes = faiss.rev_swig_ptr(il.get_codes(lst), n * il.code_size).copy()
+                new = layout.faiss_ids(unit, layout.split_faiss_ids(ids)[1])
+                il.update_entries(lst, 0, n, faiss.swig_ptr(new), faiss.swig_ptr(codes))
+    faiss.write_index(ix, str(path))
+
+
+def merge_shards(real: Path, out_dir: Path, unit: int) -> layout.ShardInfo:
+    """Every shard of ``real`` concatenated into one shard directory under work unit ``unit``: what a
+    build with larger work units stores (a default ``index.shard_bytes`` of 64 MB holds about 23M
+    tokens of this corpus). Row order, ids and posting lists are those of the parts one after the
+    other; within a (prototype, cell) list the parts' entries follow each other (each strongest first).
+    Used for the synthetic sizes only."""
+    import faiss
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    m = layout.read_manifest(real)
+    parts = [layout.shard_dir(real, s.unit) for s in m.shards]
+    infos = m.shards
+    out_dir.mkdir(parents=True)
+    tok_off = np.cumsum([0] + [s.n_tokens for s in infos])
+    seq_off = np.cumsum([0] + [s.n_seqs for s in infos])
+    doc_off = np.cumsum([0] + [s.n_docs for s in infos])
+    sizes: dict[str, int] = {}
+
+    def load(name: str) -> list[np.ndarray]:
+        return [np.load(d / f"{name}.npy") for d in parts]
+
+    for name in ("tokens", "protos", "acts", "codes", "seq_start", "seq_last_target"):
+        sizes[name] = layout.write_array(out_dir / f"{name}.npy", np.concatenate(load(name)))
+    scale = infos[0].self_scale
+    sizes["self"] = layout.write_array(out_dir / "self.npy", np.concatenate(
+        [(a.astype(np.float32) * (s.self_scale / scale)).astype(np.float16) for a, s in zip(load("self"), infos, strict=True)]))
+    sizes["seq_doc"] = layout.write_array(out_dir / "seq_doc.npy", np.concatenate(
+        [a + o for a, o in zip(load("seq_doc"), doc_off, strict=False)]).astype(np.int32))
+    tok0 = [a[:-1] + o for a, o in zip(load("seq_tok0"), tok_off, strict=False)] + [np.array([tok_off[-1]])]
+    sizes["seq_tok0"] = layout.write_array(out_dir / "seq_tok0.npy", np.concatenate(tok0).astype(np.int64))
+    # posting lists: group of every entry, then a stable sort by group keeps each part's order
+    groups, entries = [], []
+    for off_a, tok_a, o in zip(load("post_offsets"), load("post_tokens"), tok_off, strict=False):
+        groups.append(np.repeat(np.arange(len(off_a) - 1), np.diff(off_a.astype(np.int64))))
+        entries.append(tok_a.astype(np.int64) + o)
+    g, e = np.concatenate(groups), np.concatenate(entries)
+    order = np.argsort(g, kind="stable")
+    n_groups = len(load("post_offsets")[0]) - 1
+    sizes["post_tokens"] = layout.write_array(out_dir / "post_tokens.npy", e[order].astype(np.uint32))
+    sizes["post_offsets"] = layout.write_array(out_dir / "post_offsets.npy",
+                                               np.searchsorted(g[order], np.arange(n_groups + 1)).astype(np.uint32))
+    # each prototype's top contexts: the first part's (prototype pages only)
+    top = load("proto_top")[0]
+    sizes["proto_top"] = layout.write_array(out_dir / "proto_top.npy", top)
+    docs = [pq.read_table(d / "documents.parquet") for d in parts]
+    docs = [t.set_column(0, "doc", pa.array(np.asarray(t.column("doc")) + o, pa.int32()))
+            for t, o in zip(docs, doc_off, strict=False)]
+    sizes["documents"] = layout.write_table(out_dir / "documents.parquet", pa.concat_tables(docs),
+                                            row_group_size=layout.DOC_ROW_GROUP)
+    seqs = []
+    for d, so, do, to in zip(parts, seq_off, doc_off, tok_off, strict=False):
+        t = pq.read_table(d / "sequences.parquet")
+        for col, o in (("seq", so), ("doc", do), ("tok0", to)):
+            i = t.schema.get_field_index(col)
+            t = t.set_column(i, t.schema.field(i), pa.array(np.asarray(t.column(col)) + o, t.schema.field(i).type))
+        seqs.append(t)
+    sizes["sequences"] = layout.write_table(out_dir / "sequences.parquet", pa.concat_tables(seqs))
+    # FAISS: the parts' lists, ids renumbered to the merged shard
+    merged = faiss.read_index(str(real / layout.FAISS_TEMPLATE))
+    ivf = faiss.extract_index_ivf(merged)
+    il = faiss.downcast_InvertedLists(ivf.invlists)
+    for d, so in zip(parts, seq_off, strict=False):
+        whole = faiss.read_index(str(d / "faiss.index"))  # kept: the IVF part below points into it
+        part = faiss.extract_index_ivf(whole)
+        pil = faiss.downcast_InvertedLists(part.invlists)
+        for lst in range(part.nlist):
+            n = pil.list_size(lst)
+            if n:
+                ids = faiss.rev_swig_ptr(pil.get_ids(lst), n).copy()
+                codes = faiss.rev_swig_ptr(pil.get_codes(lst), n * pil.code_size).copy()
+                new = layout.faiss_ids(unit, layout.split_faiss_ids(ids)[1] + so)
+                il.add_entries(lst, n, faiss.swig_ptr(new), faiss.swig_ptr(codes))
+        ivf.ntotal += part.ntotal
+    merged.ntotal = ivf.ntotal
+    faiss.write_index(merged, str(out_dir / "faiss.index"))
+    sizes["faiss"] = (out_dir / "faiss.index").stat().st_size
+    if (parts[0] / "stats.safetensors").is_file():  # until the reduce folds them into the index's
+        shutil.copy2(parts[0] / "stats.safetensors", out_dir / "stats.safetensors")
+        sizes["stats"] = (out_dir / "stats.safetensors").stat().st_size
+    info = layout.ShardInfo(unit=unit, n_docs=int(doc_off[-1]), n_seqs=int(seq_off[-1]), n_tokens=int(tok_off[-1]),
+                            self_scale=scale, bytes=sizes, corpus={}, seconds=sum(s.seconds for s in infos))
+    layout.write_shard_info(out_dir, info)
+    return info
+
+
+def synthetic_index(real: Path, copies: int, out: Path) -> Path:
+    """``copies`` copies (files copied, not linked) of one shard that merges every real shard."""
+    m = layout.read_manifest(real)
+    done = layout.read_manifest(out) if (out / layout.MANIFEST).exists() else None
+    if done is not None and len(done.shards) == copies:
+        return out
+    if out.exists():
+        shutil.rmtree(out)
+    (out / layout.SHARDS).mkdir(parents=True)
+    for name in TOP_FILES[1:]:
+        shutil.copy2(real / name, out / name)
+    t0 = time.perf_counter()
+    first = merge_shards(real, layout.shard_dir(out, 0), 0)
+    shards = [first]
+    for c in range(1, copies):
+        dst = layout.shard_dir(out, c)
+        shutil.copytree(layout.shard_dir(out, 0), dst)
+        _reunit_faiss(dst / "faiss.index", c)
+        info = dataclasses.replace(first, unit=c)
+        layout.write_shard_info(dst, info)
+        shards.append(info)
+        print(f"synthetic copy {c + 1}/{copies} ({time.perf_counter() - t0:.0f} s)", flush=True)
+    m.shards = shards
+    m.units = [dataclasses.replace(m.units[0], unit=c, file=f"synthetic copy {c}") for c in range(copies)]
+    m.summary = {"synthetic": f"{copies} copies of one shard merging every shard of {real}"}
+    (out / layout.MANIFEST).write_text(json.dumps(m.to_dict(), indent=2))
+    return out
+
+
+def disk_bytes(index: Path) -> dict[str, int]:
+    """Bytes of every file of an index, by file name (shards summed)."""
+    m = layout.read_manifest(index)
+    out: dict[str, int] = {}
+    for sh in m.shards:
+        for name, b in sh.bytes.items():
+            if name == "stats" and not (layout.shard_dir(index, sh.unit) / "stats.safetensors").exists():
+                continue  # folded into the index's statistics and deleted by the reduce
+            out[name] = out.get(name, 0) + int(b)
+        out["shard.json"] = out.get("shard.json", 0) + (layout.shard_dir(index, sh.unit) / "shard.json").stat().st_size
+    for name in (*TOP_FILES, layout.POST_SIZES):
+        if (index / name).exists():
+            out[name.split(".")[0]] = out.get(name.split(".")[0], 0) + (index / name).stat().st_size
+    return out
+
+
+# --------------------------------------------------------------------------- queries
+def held_out_queries(corpus_file: Path, tokenizer_path: Path, n: int, seed: int = 0) -> list[dict]:
+    """A 48-token prompt and its 16-token continuation from documents of a file that is not indexed."""
+    tok = load_tokenizer(tokenizer_path)
+    rng = np.random.default_rng(seed)
+    lines = corpus_file.read_text().splitlines()
+    out = []
+    for i in rng.permutation(len(lines)):
+        d = json.loads(lines[i])
+        if d.get("source") == "planted":
+            continue
+        ids = tok.encode(d["text"]).ids
+        if len(ids) >= 64:
+            out.append({"prompt": tok.decode(ids[:48]), "completion": tok.decode(ids[48:64]), "id": d["id"]})
+        if len(out) == n:
+            break
+    return out
+
+
+def planted_queries(corpus: Path, files: list[str]) -> list[dict]:
+    """Verbatim planted facts whose copies are all in the indexed files."""
+    indexed = set()
+    for f in files:
+        with open(f) as fh:
+            for line in fh:
+                if '"planted"' in line:
+                    indexed.add(json.loads(line)["id"])
+    facts = json.loads((corpus / "facts.json").read_text())
+    return [{"prompt": f["prompt"], "completion": f["answer"], "id": f["fact_id"], "doc_ids": f["doc_ids"]}
+            for f in facts if set(f["doc_ids"]) <= indexed]
+
+
+# --------------------------------------------------------------------------- serving
+def serve_and_measure(index: Path, queries: list[dict], n_requests: int) -> dict:
+    with served(index, "scale") as (server, url, ready_s):
+        anon_ready = status_bytes(server.pid)
+        lat, timings, scored = [], [], []
+        with httpx.Client(base_url=url, timeout=120) as c:
+            for i in range(n_requests + 5):
+                q = queries[i % len(queries)]
+                body = {"prompt": q["prompt"], "completion": q["completion"], "top_k": 10, "mode": "fast"}
+                t = time.perf_counter()
+                r = c.post("/v1/attribute", json=body)
+                dt = time.perf_counter() - t
+                if r.status_code != 200:
+                    raise SystemExit(f"{index}: {r.status_code} {r.text[:300]}")
+                if i >= 5:  # the first five warm the server up
+                    lat.append(1e3 * dt)
+                    timings.append(r.json()["timings_ms"])
+                    scored.append(r.json()["tokens_scored"])
+        lat_a = np.array(lat)
+        return {
+            "ready_s": round(ready_s, 2), "requests": len(lat),
+            "p50_ms": round(float(np.percentile(lat_a, 50)), 1), "p99_ms": round(float(np.percentile(lat_a, 99)), 1),
+            "mean_ms": round(float(lat_a.mean()), 1),
+            "server_timings_ms_median": {k: round(float(np.median([t[k] for t in timings])), 1) for k in timings[0]},
+            "tokens_scored_median": int(np.median(scored)),
+            "rss_anon_bytes_ready": anon_ready, "rss_anon_bytes": status_bytes(server.pid),
+            "rss_file_bytes": status_bytes(server.pid, "RssFile"), "vm_rss_bytes": status_bytes(server.pid, "VmRSS"),
+            "tree_rss_anon_bytes": tree_bytes(server.pid),
+        }
+
+
+# --------------------------------------------------------------------------- fast vs exact
+def overlap_fast_exact(index: Path, queries: list[dict], k: int = 10) -> dict:
+    import torch
+
+    from prism_tda.engine import Attributor, QueryOptions, QuerySpec
+    from prism_tda.engine.exact import exact_document_scores
+
+    torch.set_num_threads(os.cpu_count() or 1)
+    att = Attributor.open(index)
+    specs = [QuerySpec(q["prompt"], q["completion"]) for q in queries]
+    encoded = [att.encode(s) for s in specs]
+    t0 = time.perf_counter()
+    fast = [[d.doc_id for d in att.attribute(s, QueryOptions(n_documents=k)).documents] for s in specs]
+    fast_s = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    exact = exact_document_scores(att.model, att.reader, encoded, att.preconditioner(), progress=True)
+    exact_s = time.perf_counter() - t0
+    per_query = []
+    for q, f, e in zip(queries, fast, exact, strict=True):
+        s = e["cosine_max"]
+        top = np.argsort(-s, kind="stable")[:k]
+        top = top[s[top] > 0]
+        per_query.append({"id": q["id"], "kind": q["kind"], "overlap": len(set(f) & set(top.tolist())) / max(len(top), 1)})
+    ov = np.array([p["overlap"] for p in per_query])
+    kinds = sorted({p["kind"] for p in per_query})
+    rng = np.random.default_rng(0)
+    boots = [float(ov[rng.integers(0, len(ov), len(ov))].mean()) for _ in range(1000)]
+    return {"tokens": att.reader.n_tokens, "queries": len(queries), "overlap_at_10": round(float(ov.mean()), 3),
+            "ci95": [round(float(np.percentile(boots, 2.5)), 3), round(float(np.percentile(boots, 97.5)), 3)],
+            "by_kind": {kd: round(float(np.mean([p["overlap"] for p in per_query if p["kind"] == kd])), 3)
+                        for kd in kinds},
+            "fast_seconds_per_query": round(fast_s / len(queries), 3), "exact_pass_seconds": round(exact_s, 1),
+            "per_query": per_query}
+
+
+def plot(res: dict, path: Path) -> None:
+    try:
+        import matplotlib
+    except ImportError:
+        print("matplotlib not installed: no plot", flush=True)
+        return
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = [s for s in res["sizes"] if s["tokens"] > 0]
+    x = [s["tokens"] for s in rows]
+    fig, ax = plt.subplots(1, 3, figsize=(13, 3.6))
+    for a in ax:
+        a.set_xscale("log")
+        a.set_xlabel("indexed tokens")
+        for s in rows:
+            if s["synthetic"]:
+                a.axvspan(s["tokens"] / 1.5, s["tokens"] * 1.5, color="0.92", zorder=0)
+    ax[0].plot(x, [s["disk_bytes_per_token"] for s in rows], "o-")
+    ax[0].axhline(64, ls="--", c="r", lw=1)
+    ax[0].set_ylabel("disk bytes / token")
+    ax[0].set_ylim(0, 80)
+    ax[1].plot(x, [s["serve"]["rss_anon_bytes"] / 2**20 for s in rows], "o-", label="RssAnon")
+    ax[1].plot(x, [s["serve"]["rss_file_bytes"] / 2**20 for s in rows], "s:", label="RssFile (page cache)")
+    ax[1].set_ylabel("server memory (MiB)")
+    ax[1].legend(fontsize=8)
+    ax[2].plot(x, [s["serve"]["p50_ms"] for s in rows], "o-", label="p50")
+    ax[2].plot(x, [s["serve"]["p99_ms"] for s in rows], "s:", label="p99")
+    ax[2].set_ylabel("/v1/attribute fast (ms)")
+    ax[2].set_ylim(0, None)
+    ax[2].legend(fontsize=8)
+    fig.suptitle("Scale (grey: synthetic sizes, copies of the real shards)", fontsize=10)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+
+
+# --------------------------------------------------------------------------- sizing
+def sizing_10b(res: dict, *, tokens: float = 10e9, d: int = 768, K: int = 4096, k: int = 8, V: int = 50_257,
+               block: int = 1024, n_params: float = 124e6, text_bytes_per_token: float = 4.0,
+               shard_text_bytes: float = 64 * 2**20, node_ram: float = 64 * 2**30) -> dict:
+    """Disk, serving memory, nodes and indexing compute for a 124M-parameter, K=4096 model over 10B
+    tokens, from the per-token figures measured here. Assumptions are named in the result."""
+    by_file = res["disk_bytes_per_token_by_file"]
+    real = [s for s in res["sizes"] if not s["synthetic"] and s["tokens"]][-1]
+    demo_text = sum(real["disk_bytes"].get(f, 0) for f in ("documents",)) / real["tokens"]
+    corpus_bytes_per_token = 1 / 0.363  # this corpus under the demo tokenizer (measured on a sample)
+    per_token = {  # the layout's arrays at k active prototypes, 16 x 12-bit codes, 2 posting entries
+        "tokens": 2, "protos": 2 * k, "acts": k, "codes": by_file.get("codes", 24), "self": 2,
+        "post_tokens": by_file.get("post_tokens", 8),
+        # documents: zstd text, scaled by the tokenizer's bytes per token
+        "documents": demo_text * text_bytes_per_token / corpus_bytes_per_token,
+        # per sequence: the seq_* arrays and sequences.parquet (measured per sequence) and an IVF-PQ32 entry
+        "per_sequence": (sum(by_file.get(f, 0) for f in ("seq_tok0", "seq_doc", "seq_start", "seq_last_target",
+                                                         "sequences")) * 128 + 40) / block,
+    }
+    shard_tokens = shard_text_bytes / text_bytes_per_token
+    n_shards = tokens / shard_tokens
+    per_shard = {"post_offsets": 4 * K * 256, "proto_top": 8 * K * 32}
+    per_token["per_shard_fixed"] = sum(per_shard.values()) / shard_tokens
+    index_fixed = 4 * (d * d + K * d) * 2 + 16 * 4096 * (d // 16) * 4 + 8 * K * 256  # calibration, stats, list sizes
+    disk = tokens * sum(per_token.values()) + index_fixed
+    anon_per_token = max(res["serve_anon_bytes_per_token"], 0.0)
+    empty = res["sizes"][0]["serve"]["rss_anon_bytes"]
+    ram_process = empty + 4 * n_params + 4 * (d * d + K * d) + 8 * K * 256 + anon_per_token * tokens
+    # indexing: forward FLOPs per token (2 x parameters + the vocabulary products for u_t), measured
+    # CPU throughput on the demo model scaled by FLOPs; a GPU figure from an assumed sustained rate
+    flops_per_token = 2 * n_params + 2 * 2 * V * d
+    return {
+        "assumptions": {"tokens": tokens, "d_model": d, "n_prototypes": K, "n_active": k, "vocab": V,
+                        "block_size": block, "parameters": n_params, "text_bytes_per_token": text_bytes_per_token,
+                        "shard_text_bytes": shard_text_bytes, "codes": "16 x 12-bit (as measured here)",
+                        "gpu_sustained_flops": 200e12, "node_ram_bytes": node_ram},
+        "disk_bytes_per_token": {k2: round(v, 2) for k2, v in per_token.items()},
+        "disk_total_tb": round(disk / 1e12, 2),
+        "shards": int(np.ceil(n_shards)),
+        "serving_process_ram_gb": round(ram_process / 1e9, 2),
+        "serving_page_cache_note": "the per-token arrays stay on disk; queries touch posting prefixes and the "
+                                   "candidates' rows (about 100k tokens x 48 bytes per query)",
+        "nodes_by_ram": int(np.ceil(ram_process / (0.5 * node_ram))),
+        "indexing_flops": flops_per_token * tokens,
+        "indexing_gpu_hours_at_assumed_rate": round(flops_per_token * tokens / 200e12 / 3600, 1),
+    }
+
+
+# --------------------------------------------------------------------------- main
+def main(argv: list[str] | None = None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--real", default="runs/scale/real", help="the real index (built as above)")
+    ap.add_argument("--corpus", default="runs/scale/corpus")
+    ap.add_argument("--work", default="runs/scale")
+    ap.add_argument("--build-log", default="runs/scale/real_build.log",
+                    help="the build's output under /usr/bin/time -v (for its wall time and peak RSS)")
+    ap.add_argument("--synthetic", default="4,16", help="synthetic sizes, as multiples of the real index")
+    ap.add_argument("--requests", type=int, default=40)
+    ap.add_argument("--overlap-shards", type=int, default=0,
+                    help="measure fast vs exact on the first N shards (0: every real shard)")
+    ap.add_argument("--overlap-queries", type=int, default=24, help="held-out queries (plus planted facts)")
+    ap.add_argument("--out", default="bench/results/scale.json")
+    ap.add_argument("--plot", default="docs/img/scale.png")
+    ap.add_argument("--plot-only", action="store_true", help="redraw the plot from --out and stop")
+    args = ap.parse_args(argv)
+    if args.plot_only:
+        res = json.loads(Path(args.out).read_text())
+        plot(res, Path(args.plot))
+        return res
+    real, work, corpus = Path(args.real).resolve(), Path(args.work), Path(args.corpus)
+    m = layout.read_manifest(real)
+    if m is None or not m.complete:
+        raise SystemExit(f"{real}: not a complete index")
+    tok_path = Path(m.checkpoint) / "tokenizer.json"
+    indexed = sorted({u.file for u in m.units})
+    held_file = sorted(p for p in corpus.glob("part-*.jsonl") if str(p.resolve()) not in indexed)[-1]
+    queries = held_out_queries(held_file, tok_path, 60, seed=1)
+    # sizes: the first shard, then the prefixes closest to 4x and 16x it; every shard last
+    cum = np.cumsum([s.n_tokens for s in m.shards])
+    counts = [0, 1]
+    for f in (4, 16):
+        n = int(np.argmin(np.abs(cum - cum[0] * f))) + 1
+        if n not in counts:
+            counts.append(n)
+    if counts[-1] != len(m.shards):
+        counts.append(len(m.shards))
+    sizes = []
+    calib_s = m.calibration.seconds if m.calibration else 0.0
+    for n in counts:
+        ix = subset_index(real, n, work / f"prefix_{n:04d}")
+        sizes.append({"index": str(ix), "shards": n, "synthetic": False, "tokens": int(cum[n - 1]) if n else 0,
+                      "index_seconds": round(calib_s + sum(s.seconds for s in m.shards[:n]), 1)})
+    for c in (int(x) for x in args.synthetic.split(",") if x):
+        ix = synthetic_index(real, c, work / f"synthetic_x{c}")
+        sizes.append({"index": str(ix), "shards": c, "synthetic": True, "tokens": int(cum[-1]) * c,
+                      "index_seconds": None})
+    for s in sizes:
+        ix = Path(s["index"])
+        d = disk_bytes(ix)
+        s["disk_bytes"] = d
+        s["disk_bytes_per_token"] = round(sum(d.values()) / s["tokens"], 2) if s["tokens"] else None
+        s["serve"] = serve_and_measure(ix, queries, args.requests)
+        print(json.dumps({k: s[k] for k in ("shards", "tokens", "synthetic", "disk_bytes_per_token")}
+                         | {k: s["serve"][k] for k in ("ready_s", "p50_ms", "p99_ms", "rss_anon_bytes")}), flush=True)
+    empty = sizes[0]["serve"]["rss_anon_bytes"]
+    for s in sizes[1:]:
+        s["serve_anon_bytes_per_token"] = round((s["serve"]["rss_anon_bytes"] - empty) / s["tokens"], 3)
+    # fast vs exact
+    n_ov = args.overlap_shards or len(m.shards)
+    ov_ix = subset_index(real, n_ov, work / f"prefix_{n_ov:04d}")
+    ov_queries = [dict(q, kind="held_out") for q in held_out_queries(held_file, tok_path, args.overlap_queries, seed=2)]
+    ov_queries += [dict(q, kind="planted") for q in planted_queries(corpus, indexed)]
+    overlap = overlap_fast_exact(ov_ix, ov_queries)
+    real_sizes = [s for s in sizes if not s["synthetic"] and s["tokens"]]
+    largest_real, largest = real_sizes[-1], sizes[-1]
+    by_tokens = {s["tokens"]: s for s in sizes if s["tokens"]}
+
+    def p50_growth(big: dict) -> float | None:
+        small = min(by_tokens.values(), key=lambda s: abs(np.log(s["tokens"] * 16 / big["tokens"])))
+        return round(big["serve"]["p50_ms"] / small["serve"]["p50_ms"], 2) if small is not big else None
+
+    build = {}
+    log = Path(args.build_log)
+    if log.is_file():
+        for line in log.read_text().splitlines():
+            if "Elapsed (wall clock)" in line:
+                parts = line.rsplit(" ", 1)[1].split(":")
+                build["wall_s"] = round(sum(float(x) * 60**i for i, x in enumerate(reversed(parts))), 1)
+            if "Maximum resident set size" in line:
+                build["peak_rss_bytes"] = int(line.rsplit(" ", 1)[1]) * 1024
+    res = {
+        "sizes": sizes,
+        "disk_bytes_per_token": largest_real["disk_bytes_per_token"],
+        "disk_bytes_per_token_by_file": {k: round(v / largest_real["tokens"], 2)
+                                         for k, v in sorted(largest_real["disk_bytes"].items(), key=lambda x: -x[1])},
+        "serve_anon_bytes_per_token": largest["serve_anon_bytes_per_token"],
+        "serve_anon_bytes_per_token_largest_real": largest_real["serve_anon_bytes_per_token"],
+        "latency_growth_16x": p50_growth(largest),
+        "latency_growth_16x_real": p50_growth(largest_real),
+        "p50_ms_largest": largest["serve"]["p50_ms"],
+        "p50_ms_largest_real": largest_real["serve"]["p50_ms"],
+        "overlap_at_10_fast_vs_exact": overlap["overlap_at_10"],
+        "overlap": overlap,
+        "largest_real_tokens": largest_real["tokens"],
+        "largest_served_tokens": largest["tokens"],
+        "real_build": {"tokens": int(cum[-1]), "shards": len(m.shards), **build,
+                       "tokens_per_s": round(int(cum[-1]) / build["wall_s"], 1) if build.get("wall_s") else None,
+                       "calibration_s": calib_s, "faiss": m.calibration.faiss_spec if m.calibration else None},
+        "corpus": {"source": "bench/scale_corpus.py: Debian documentation packages, fortunes, planted facts (real text)",
+                   "indexed_files": indexed, "held_out_file": str(held_file)},
+        "model": m.model,
+        "targets": {"disk_bytes_per_token": 64, "serve_anon_bytes_per_token": 8, "latency_growth_16x": 2.0,
+                    "p50_ms_largest": 100, "overlap_at_10_fast_vs_exact": 0.9, "largest_real_tokens": 16e6,
+                    "largest_served_tokens": 256e6},
+        "config": {k: v for k, v in vars(args).items()},
+    }
+    res["sizing_124m_k4096_10b"] = sizing_10b(res)
+    if args.plot:
+        plot(res, Path(args.plot))
+    return finish(res, "scale.py", argv, args.out)
+
+
+if __name__ == "__main__":
+    main()

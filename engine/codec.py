@@ -1,0 +1,180 @@
+"""Compressed token vectors: what the index stores of ``Q^T u_t`` for the approximate stage.
+
+``u_t = W^T (p_t - e_{y_t})`` is the model's expected output embedding ``m_t = W^T p_t`` minus the
+target token's row ``W[y_t]``. The index stores the target token anyway, so only ``m_t`` is
+quantised and the target's row is added back exactly when decoding: for tokens the model gets
+wrong (most of the gradient energy) the exact part dominates, which keeps more of the ranking than
+quantising ``u_t`` itself (measured in docs/benchmarks.md).
+
+``m_t`` (in the curvature basis ``Q``) is scaled by a diagonal preconditioner ``D^{-1/2}`` (the
+mean over prototypes of ``lambda_i + lam``, so the quantiser spends its bits where scores are
+sensitive) and product-quantised: ``n_sub`` sub-vectors, each the index of its nearest of
+``2^bits`` centroids. Codes of 12 bits are packed two to three bytes. Encoding and decoding run
+in torch (on the indexing device); the codebooks are trained with FAISS's k-means.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+from safetensors.torch import load_file, save
+
+from .layout import atomic_write_bytes
+
+
+def code_bytes(n_sub: int, bits: int) -> int:
+    """Bytes per token of ``n_sub`` codes of ``bits`` bits (8, 12 or 16)."""
+    if bits not in (8, 12, 16):
+        raise ValueError(f"code bits must be 8, 12 or 16, got {bits}")
+    if bits == 12 and n_sub % 2:
+        raise ValueError("12-bit codes pack in pairs: the number of sub-quantisers must be even")
+    return n_sub * bits // 8
+
+
+def pack(codes: np.ndarray, bits: int) -> np.ndarray:
+    """(N, n_sub) integer codes -> (N, code_bytes) uint8."""
+    n = codes.shape[0]
+    if bits == 8:
+        return codes.astype(np.uint8)
+    if bits == 16:
+        return codes.astype("<u2").view(np.uint8).reshape(n, -1)
+    c = codes.astype(np.uint32).reshape(n, -1, 2)  # 12 bits: a pair of codes in 3 bytes
+    v = c[..., 0] | (c[..., 1] << 12)  # 24 bits
+    out = np.stack([v & 0xFF, (v >> 8) & 0xFF, v >> 16], axis=-1).astype(np.uint8)
+    return out.reshape(n, -1)
+
+
+def unpack(packed: np.ndarray, bits: int, n_sub: int) -> np.ndarray:
+    """(N, code_bytes) uint8 -> (N, n_sub) int64 codes."""
+    n = packed.shape[0]
+    if bits == 8:
+        return packed.astype(np.int64)
+    if bits == 16:
+        return np.ascontiguousarray(packed).view("<u2").reshape(n, n_sub).astype(np.int64)
+    b = packed.reshape(n, -1, 3).astype(np.int64)
+    v = b[..., 0] | (b[..., 1] << 8) | (b[..., 2] << 16)
+    return np.stack([v & 0xFFF, v >> 12], axis=-1).reshape(n, n_sub)
+
+
+
+def unpack_torch(packed: np.ndarray, bits: int, n_sub: int) -> torch.Tensor:
+    """:func:`unpack` in torch (multithreaded), as int64 codes (N, n_sub)."""
+    n = packed.shape[0]
+    b = torch.from_numpy(np.ascontiguousarray(packed))
+    if bits == 8:
+        return b.long()
+    if bits == 16:
+        return torch.from_numpy(np.ascontiguousarray(packed).view("<u2").reshape(n, n_sub).astype(np.int64))
+    b = b.view(n, -1, 3).int()
+    v = b[..., 0] | (b[..., 1] << 8) | (b[..., 2] << 16)
+    return torch.stack([v & 0xFFF, v >> 12], dim=-1).reshape(n, n_sub).long()
+
+
+@dataclass
+class TokenCodec:
+    """Product quantiser of ``D^{-1/2} m_t`` with the target row added back on decode."""
+
+    centroids: torch.Tensor  # (n_sub, 2^bits, d_sub)
+    scale: torch.Tensor  # (d,) D^{-1/2}
+    W: torch.Tensor  # (V, d) the unembedding (shared with the model, not copied)
+    Q: torch.Tensor  # (d, d) the curvature basis
+    bits: int
+
+    @functools.cached_property
+    def _WQ(self) -> torch.Tensor:
+        """(V, d) every token's ``Q^T W[y]``, computed once."""
+        with torch.no_grad():
+            return self.W.detach().float() @ self.Q.to(self.W.device)
+
+    @functools.cached_property
+    def _flat_centroids(self) -> torch.Tensor:
+        """(n_sub * 2^bits, d_sub) the centroids with the diagonal scale divided out, for one gather."""
+        n_sub, k, ds = self.centroids.shape
+        return (self.centroids / self.scale.view(n_sub, 1, ds)).reshape(n_sub * k, ds).contiguous()
+
+    def lookup_tables(self, Wq: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """For query columns ``Wq`` (P, d): (P, n_sub * 2^bits) each column's product with every
+        centroid of its sub-vector (so ``Wq_p . m_t`` is the sum of ``n_sub`` entries, one per code),
+        and (P, V) each column's product with every target row ``Q^T W[y]``."""
+        n_sub, k, ds = self.centroids.shape
+        C = self._flat_centroids.view(n_sub, k, ds)
+        m_tab = torch.einsum("psd,skd->psk", Wq.float().view(len(Wq), n_sub, ds), C).reshape(len(Wq), n_sub * k)
+        return m_tab, Wq.float() @ self._WQ.T
+
+    def flat_codes(self, packed: np.ndarray) -> np.ndarray:
+        """Packed codes (N, code_bytes) -> (N, n_sub) columns of :meth:`lookup_tables`' first table."""
+        k = self.centroids.shape[1]
+        return (unpack_torch(packed, self.bits, self.n_sub) + torch.arange(self.n_sub) * k).numpy()
+
+    def target_rows(self, targets: torch.Tensor) -> torch.Tensor:
+        """(N, d) ``Q^T W[y]``: the exact part of ``Q^T u_t`` for target tokens ``y``."""
+        return self._WQ[targets.to(self._WQ.device)]
+
+    @property
+    def n_sub(self) -> int:
+        return self.centroids.shape[0]
+
+    @property
+    def code_bytes(self) -> int:
+        return code_bytes(self.n_sub, self.bits)
+
+    @classmethod
+    def train(cls, m: torch.Tensor, scale: torch.Tensor, W: torch.Tensor, Q: torch.Tensor, *, n_sub: int,
+              bits: int, seed: int = 0, iters: int = 12, points_per_centroid: int = 32) -> TokenCodec:
+        """Fit the codebooks on a sample of ``m = Q^T W^T p_t`` (N, d) (in the Q basis, unscaled)."""
+        import faiss
+
+        code_bytes(n_sub, bits)
+        x = (m.float() * scale).numpy().astype(np.float32)
+        d = x.shape[1]
+        if d % n_sub:
+            raise ValueError(f"{n_sub} sub-quantisers do not divide the token vector's {d} dimensions")
+        ds, k = d // n_sub, 1 << bits
+        cents = np.empty((n_sub, k, ds), dtype=np.float32)
+        for j in range(n_sub):
+            sub = np.ascontiguousarray(x[:, j * ds : (j + 1) * ds])
+            km = faiss.Kmeans(ds, k, niter=iters, seed=seed + j, max_points_per_centroid=points_per_centroid,
+                              min_points_per_centroid=1, verbose=False)
+            km.train(sub if len(sub) >= k else np.repeat(sub, -(-k // len(sub)), axis=0))
+            cents[j] = km.centroids
+        return cls(torch.from_numpy(cents), scale.float(), W, Q.float(), bits)
+
+    @functools.cached_property
+    def _pq(self):
+        """FAISS's product quantiser over these codebooks: the same nearest-centroid codes, packed the
+        same way (tested), an order of magnitude faster than a dense distance matrix in torch."""
+        import faiss
+
+        n_sub, k, ds = self.centroids.shape
+        pq = faiss.ProductQuantizer(n_sub * ds, n_sub, self.bits)
+        faiss.copy_array_to_vector(self.centroids.float().numpy().reshape(-1), pq.centroids)
+        pq.sync_transposed_centroids()  # the faster assignment (same codes)
+        return pq
+
+    def encode(self, u: torch.Tensor, targets: torch.Tensor) -> np.ndarray:
+        """Packed codes (N, code_bytes) of token vectors ``u`` (N, u_dim) with target ids (N,)."""
+        dev = u.device
+        x = (u.float() + self.target_rows(targets.to(self.W.device)).to(dev)) * self.scale.to(dev)  # D^{-1/2} m_t
+        return self._pq.compute_codes(np.ascontiguousarray(x.cpu().numpy(), dtype=np.float32))
+
+    def decode(self, packed: np.ndarray, targets: np.ndarray) -> torch.Tensor:
+        """Approximate ``Q^T u_t`` (N, u_dim) from packed codes and target ids."""
+        codes = unpack_torch(packed, self.bits, self.n_sub)  # (N, n_sub)
+        k = self.centroids.shape[1]
+        idx = codes + torch.arange(self.n_sub) * k  # rows of the flattened codebooks
+        m = torch.nn.functional.embedding(idx, self._flat_centroids).reshape(len(codes), len(self.scale))
+        with torch.no_grad():
+            return m - self.target_rows(torch.from_numpy(targets.astype(np.int64))).cpu()
+
+    def save(self, path: Path) -> None:
+        atomic_write_bytes(path, save({"centroids": self.centroids.contiguous(), "scale": self.scale.contiguous(),
+                                      "bits": torch.tensor([self.bits])}))
+
+    @classmethod
+    def load(cls, path: Path, W: torch.Tensor, Q: torch.Tensor) -> TokenCodec:
+        t = load_file(str(path))
+        return cls(t["centroids"], t["scale"], W, Q.float(), int(t["bits"][0]))

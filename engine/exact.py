@@ -1,0 +1,96 @@
+"""Exact attribution: every training token's score, recomputed by the model in full precision.
+
+This is DESIGN §2's exact prototype-space influence over the whole corpus, token by token; it costs
+a forward pass over the corpus (the index stores only compressed token vectors), so it is the
+reference the fast path is measured against, not a served default. Many queries share one pass.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from tqdm.auto import tqdm
+
+from prism_tda.model import PRISM
+
+from .query import Query
+from .reader import IndexReader
+from .scoring import Preconditioner, _scores, self_influence
+from .tokens import run_batch
+from .types import Aggregation
+
+
+@dataclass
+class DocumentTotals:
+    """Per document: the best token by cosine and by raw influence, and the sums."""
+
+    cosine_max: np.ndarray
+    cosine_best_tok: np.ndarray
+    cosine_sum: np.ndarray
+    raw_max: np.ndarray
+    raw_best_tok: np.ndarray
+    raw_sum: np.ndarray
+
+    @classmethod
+    def empty(cls, n_docs: int, sign: float) -> DocumentTotals:
+        low = np.full(n_docs, -np.inf)
+        none = np.full(n_docs, -1, dtype=np.int64)
+        return cls(low.copy(), none.copy(), np.zeros(n_docs), low.copy(), none.copy(), np.zeros(n_docs))
+
+    def add(self, docs: np.ndarray, tok: np.ndarray, cos: np.ndarray, raw: np.ndarray, sign: float) -> None:
+        for kind, v in (("cosine", cos), ("raw", raw)):
+            best, arg = getattr(self, f"{kind}_max"), getattr(self, f"{kind}_best_tok")
+            sv = sign * v
+            order = np.lexsort((-sv, docs))
+            first = np.ones(len(order), dtype=bool)
+            first[1:] = docs[order][1:] != docs[order][:-1]
+            top = order[first]
+            better = sv[top] > best[docs[top]]
+            best[docs[top][better]] = sv[top][better]
+            arg[docs[top][better]] = tok[top][better]
+            getattr(self, f"{kind}_sum")[:] += np.bincount(docs, weights=v, minlength=len(best))
+
+    def scores(self, sign: float) -> dict[Aggregation, np.ndarray]:
+        def signed_max(v: np.ndarray) -> np.ndarray:
+            out = sign * v
+            out[~np.isfinite(out)] = 0.0
+            return out
+
+        return {"cosine_max": signed_max(self.cosine_max), "cosine_sum": self.cosine_sum,
+                "raw_max": signed_max(self.raw_max), "raw_sum": self.raw_sum}
+
+
+def exhaustive(model: PRISM, reader: IndexReader, queries: list[Query], pre: Preconditioner, *, sign: float = 1.0,
+               batch_size: int = 32, progress: bool = False,
+               on_batch: Callable[[int], object] | None = None) -> list[DocumentTotals]:
+    """One pass of the model over every sequence of the index, scoring every token for each query."""
+    Q = reader.curv.Q
+    totals = [DocumentTotals.empty(reader.n_docs, sign) for _ in queries]
+    with tqdm(total=reader.n_tokens, desc="exact", unit="tok", unit_scale=True, disable=not progress) as bar:
+        for b in range(0, reader.n_seqs, batch_size):
+            seqs = np.arange(b, min(b + batch_size, reader.n_seqs))
+            toks, tgts = zip(*(reader.sequence_tokens(int(s)) for s in seqs), strict=True)
+            tb = run_batch(model, list(toks), list(tgts))
+            ut = tb.u @ Q
+            protos, acts = tb.proto_idx.numpy(), tb.acts.float().numpy()
+            t_self = self_influence(ut, protos, acts, pre.inv)
+            lo = reader.seq_span(int(seqs[0]))[0]
+            rows = np.arange(lo, lo + len(t_self))
+            docs = reader.doc_of_seqs(reader.seq_of_tokens(rows))
+            for q, tot in zip(queries, totals, strict=True):
+                s = _scores(rows, protos, acts, ut, t_self, q.G, pre, exact=True)
+                tot.add(docs, rows, s.cos, s.raw, sign)
+            bar.update(len(rows))
+            if on_batch is not None:
+                on_batch(len(rows))
+    return totals
+
+
+def exact_document_scores(model: PRISM, reader: IndexReader, queries: list[Query], pre: Preconditioner,
+                          **kw) -> list[dict[Aggregation, np.ndarray]]:
+    """Every document's exact score under each aggregation, for each query, in one pass."""
+    with torch.no_grad():
+        return [t.scores(1.0) for t in exhaustive(model, reader, queries, pre, **kw)]

@@ -1,0 +1,239 @@
+"""One shard: one work unit of the corpus read, tokenised, cut into windows, run through the model
+once, and written as a self-contained directory (``engine/layout.py``).
+
+Everything a shard stores comes from that single pass and the index's calibration, so shards are
+built independently, in any order, on any worker, and appended later. Arrays are filled batch by
+batch in memory-mapped temporary files (a shard never holds its token vectors in memory) and
+renamed into place; ``shard.json`` is written last and marks the shard complete.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import torch
+from safetensors.torch import save as st_save
+from tokenizers import Tokenizer
+
+from prism_tda.corpus import CorpusStats, WorkUnit, is_validation, read_unit
+from prism_tda.engine.calibration import IndexCalibration
+from prism_tda.engine.curvature import CurvatureStats
+from prism_tda.engine.layout import (
+    DOC_ROW_GROUP,
+    IndexConfig,
+    ShardInfo,
+    atomic_write_bytes,
+    dir_bytes,
+    faiss_ids,
+    np_id_type,
+    schemas,
+    shard_dir,
+    write_array,
+    write_shard_info,
+    write_table,
+)
+from prism_tda.engine.sketch import Sketch, embed_sequences, normalise
+from prism_tda.engine.tokens import run_batch
+from prism_tda.fsutil import fsync_dir
+from prism_tda.model import PRISM
+from prism_tda.model.tokenizer import eos_id
+
+from .calibrate import windows
+
+ENCODE_CHUNK = 1024  # documents tokenised at once
+TOP_CONTEXTS = 32  # per prototype: the shard's tokens that activate it most (prototype pages)
+
+
+class _TopByPrototype:
+    """The ``n`` (activation, token row) pairs of largest activation per prototype, kept batch by batch."""
+
+    def __init__(self, K: int, n: int) -> None:
+        self.act = np.full((K, n), -np.inf, dtype=np.float32)
+        self.row = np.full((K, n), -1, dtype=np.int64)
+
+    def add(self, proto: np.ndarray, act: np.ndarray, row: np.ndarray) -> None:
+        K, n = self.act.shape
+        p = np.concatenate([np.repeat(np.arange(K), n), proto])
+        a = np.concatenate([self.act.reshape(-1), act])
+        r = np.concatenate([self.row.reshape(-1), row])
+        order = np.lexsort((r, -a, p))  # by prototype, largest activation first (ties: lower row)
+        p, a, r = p[order], a[order], r[order]
+        rank = np.arange(len(p)) - np.searchsorted(p, p)
+        keep = rank < n
+        self.act[p[keep], rank[keep]] = a[keep]
+        self.row[p[keep], rank[keep]] = r[keep]
+
+
+class _Arrays:
+    """Memory-mapped ``.npy`` files filled in place under temporary names, published together."""
+
+    def __init__(self, out: Path) -> None:
+        self.out = out
+        self.tmp: dict[str, Path] = {}
+        self.arrays: dict[str, np.memmap] = {}
+
+    def new(self, name: str, dtype, shape) -> np.ndarray:
+        path = self.out / f".{name}.npy.tmp-{os.getpid()}"
+        arr = np.lib.format.open_memmap(path, mode="w+", dtype=dtype, shape=shape)
+        self.tmp[name], self.arrays[name] = path, arr
+        return arr
+
+    def publish(self) -> dict[str, int]:
+        sizes = {}
+        for name, arr in self.arrays.items():
+            arr.flush()
+            with open(self.tmp[name], "rb+") as fh:
+                os.fsync(fh.fileno())
+            del arr
+            os.replace(self.tmp[name], self.out / f"{name}.npy")
+            sizes[name] = (self.out / f"{name}.npy").stat().st_size
+        self.arrays.clear()
+        fsync_dir(self.out)
+        return sizes
+
+
+class ShardBuilder:
+    """Builds shards with one model replica and the index's calibration."""
+
+    def __init__(self, model: PRISM, tokenizer: Tokenizer, calib: IndexCalibration, cfg: IndexConfig,
+                 faiss_template: Path, *, device: torch.device | str = "cpu",
+                 autocast: contextlib.AbstractContextManager | None = None, val_fraction: float | None = None) -> None:
+        self.model, self.tokenizer, self.calib, self.cfg = model, tokenizer, calib, cfg
+        self.faiss_template = Path(faiss_template)
+        self.device, self.autocast, self.val_fraction = device, autocast, val_fraction
+        mc = model.cfg
+        self.K, self.d, self.k = mc.n_prototypes, mc.d_model, mc.n_active
+        self.codec = calib.codec(model.W)
+        self.Q = calib.curvature.Q.to(device)
+        self.inv = calib.curvature.inv()
+        self.inv_sqrt = calib.curvature.inv_sqrt()
+        self.sketch = Sketch(self.K, self.d, cfg.embed_dim, cfg.sketch_buckets, cfg.seed)
+        self.schemas = schemas(mc.vocab_size, self.K)
+        self.tok_dtype, self.proto_dtype = np_id_type(mc.vocab_size), np_id_type(self.K)
+
+    # ------------------------------------------------------------------------------ read
+    def _read(self, unit: WorkUnit) -> tuple[pa.Table, list[list[int]], list[list[int]], list[int], list[int],
+                                             CorpusStats]:
+        """The unit's documents table and windows (tokens, targets, document, start)."""
+        stats = CorpusStats()
+        docs = list(read_unit(unit, stats))
+        eos = eos_id(self.tokenizer)
+        block, stride = self.model.cfg.block_size, self.cfg.stride or self.model.cfg.block_size
+        cols: dict[str, list] = {f.name: [] for f in self.schemas["documents"]}
+        toks, tgts, seq_doc, seq_start = [], [], [], []
+        for c0 in range(0, len(docs), ENCODE_CHUNK):
+            chunk = docs[c0 : c0 + ENCODE_CHUNK]
+            for j, (doc, enc) in enumerate(zip(chunk, self.tokenizer.encode_batch([d.text for d in chunk]),
+                                               strict=True)):
+                ids = enc.ids or [eos]
+                trained = True if self.val_fraction is None else not is_validation(doc.doc_id, self.val_fraction)
+                for k, v in (("doc", c0 + j), ("external_id", doc.doc_id), ("source", doc.source),
+                             ("title", doc.title), ("url", doc.url), ("text", doc.text), ("n_tokens", len(ids)),
+                             ("trained", trained)):
+                    cols[k].append(v)
+                for start, t, y in windows(ids, eos, block, stride):
+                    toks.append(t)
+                    tgts.append(y)
+                    seq_doc.append(c0 + j)
+                    seq_start.append(start)
+        return pa.Table.from_pydict(cols, schema=self.schemas["documents"]), toks, tgts, seq_doc, seq_start, stats
+
+    # ------------------------------------------------------------------------------ build
+    def build(self, index_dir: Path, unit: WorkUnit, on_tokens: Callable[[int], object] | None = None) -> ShardInfo:
+        import faiss
+
+        t_start = time.perf_counter()
+        out = shard_dir(index_dir, unit.unit)
+        out.mkdir(parents=True, exist_ok=True)
+        docs, toks, tgts, seq_doc, seq_start, cstats = self._read(unit)
+        n_seq = len(toks)
+        tok0 = np.zeros(n_seq + 1, dtype=np.int64)
+        np.cumsum([len(t) for t in toks], out=tok0[1:])
+        N = int(tok0[-1])
+        cfg, k = self.cfg, self.k
+        arrays = _Arrays(out)
+        tokens = arrays.new("tokens", self.tok_dtype, (N,))
+        protos = arrays.new("protos", self.proto_dtype, (N, k))
+        acts = arrays.new("acts", np.uint8, (N, k))
+        codes = arrays.new("codes", np.uint8, (N, self.codec.code_bytes))
+        self_raw = np.zeros(N, dtype=np.float32)
+        post_proto, post_cell, post_share, post_tok = [], [], [], []
+        index = faiss.read_index(str(self.faiss_template))
+        stats = CurvatureStats(self.K, self.d)
+        top = _TopByPrototype(self.K, TOP_CONTEXTS)
+        m = min(cfg.posting_entries, k)
+        n_cells = self.calib.cells.shape[0]
+        for b0 in range(0, n_seq, cfg.batch_size):
+            b1 = min(b0 + cfg.batch_size, n_seq)
+            tb = run_batch(self.model, toks[b0:b1], tgts[b0:b1], device=self.device, autocast=self.autocast)
+            ut = tb.u @ self.Q  # (n, d) Q^T u_t
+            stats.add(tb, ut)
+            rows = (torch.from_numpy(tok0[b0:b1])[tb.row.cpu()] + tb.pos.cpu()).numpy()  # token rows in the shard
+            a, p = tb.acts.float().cpu(), tb.proto_idx.cpu()
+            utc = ut.float().cpu()
+            tokens[rows] = tb.token_ids.cpu().numpy()
+            protos[rows] = p.numpy()
+            acts[rows] = self.calib.quantize_acts(a, p)
+            codes[rows] = self.codec.encode(ut, tb.targets)
+            # each active prototype's part of I(t, t) = sum_i a_i^2 sum_j (Q^T u)_j^2 / (lam_ij + lam)
+            part = a.pow(2) * torch.einsum("nd,nkd->nk", utc.pow(2), self.inv[p])  # (n, k)
+            total = part.sum(1)
+            self_raw[rows] = total.numpy()
+            share = part / total.clamp_min(1e-30)[:, None]
+            top_share, top_slot = share.topk(m, dim=1)  # the prototypes carrying most of I(t, t)
+            cell = self.calib.cell_of(utc)
+            live = top_share > 0
+            post_proto.append(p.gather(1, top_slot)[live].numpy())
+            post_cell.append(cell[:, None].expand(-1, m)[live].numpy())
+            post_share.append(top_share[live].numpy())
+            post_tok.append(np.broadcast_to(rows[:, None], (len(rows), m))[live.numpy()])
+            # the sequences' sketch embeddings, into this shard's FAISS part
+            tok, slot = (a > 0).nonzero(as_tuple=True)
+            top.add(p[tok, slot].numpy(), a[tok, slot].numpy(), rows[tok.numpy()])
+            e = embed_sequences(self.sketch, tb.row.cpu()[tok], p[tok, slot], a[tok, slot], tok, utc, self.inv_sqrt,
+                                b1 - b0).numpy()
+            index.add_with_ids(normalise(e), faiss_ids(unit.unit, np.arange(b0, b1, dtype=np.int64)))
+            if on_tokens is not None:
+                on_tokens(len(rows))
+        sizes = {}
+        # posting lists: by (prototype, cell), strongest share first
+        pp, pc = np.concatenate(post_proto or [np.zeros(0)]), np.concatenate(post_cell or [np.zeros(0)])
+        ps, pt = np.concatenate(post_share or [np.zeros(0)]), np.concatenate(post_tok or [np.zeros(0)])
+        key = pp.astype(np.int64) * n_cells + pc.astype(np.int64)
+        order = np.lexsort((-ps, key))
+        sizes["post_tokens"] = write_array(out / "post_tokens.npy", pt[order].astype(np.uint32))
+        offsets = np.searchsorted(key[order], np.arange(self.K * n_cells + 1))
+        sizes["post_offsets"] = write_array(out / "post_offsets.npy",
+                                            offsets.astype(np.uint32 if len(pt) < 2**32 else np.uint64))
+        sizes["proto_top"] = write_array(out / "proto_top.npy", top.row)
+        positive = self_raw[self_raw > 0]
+        self_scale = float(np.median(positive)) if len(positive) else 1.0
+        sizes["self"] = write_array(out / "self.npy", (self_raw / self_scale).astype(np.float16))
+        sizes.update(arrays.publish())
+        last_target = np.array([y[-1] for y in tgts], dtype=self.tok_dtype)
+        for name, arr in (("seq_tok0", tok0), ("seq_doc", np.asarray(seq_doc, np.int32)),
+                          ("seq_start", np.asarray(seq_start, np.int32)), ("seq_last_target", last_target)):
+            sizes[name] = write_array(out / f"{name}.npy", arr)
+        seqs = pa.table({"seq": np.arange(n_seq, dtype=np.int32), "doc": np.asarray(seq_doc, np.int32),
+                         "start_token": np.asarray(seq_start, np.int32),
+                         "n_tokens": np.diff(tok0).astype(np.int16), "tok0": tok0[:-1]}, schema=self.schemas["sequences"])
+        sizes["sequences"] = write_table(out / "sequences.parquet", seqs)
+        sizes["documents"] = write_table(out / "documents.parquet", docs, row_group_size=DOC_ROW_GROUP)
+        tmp = out / f".faiss.index.tmp-{os.getpid()}"
+        faiss.write_index(index, str(tmp))
+        os.replace(tmp, out / "faiss.index")
+        sizes["faiss"] = (out / "faiss.index").stat().st_size
+        atomic_write_bytes(out / "stats.safetensors", st_save({k: v.contiguous() for k, v in stats.tensors().items()}))
+        sizes["stats"] = (out / "stats.safetensors").stat().st_size
+        info = ShardInfo(unit=unit.unit, n_docs=docs.num_rows, n_seqs=n_seq, n_tokens=N, self_scale=self_scale,
+                         bytes=sizes, corpus=cstats.to_dict(), seconds=round(time.perf_counter() - t_start, 3),
+                         stats={"loss_sum": float(stats.scalars[1]), "top_cos_sum": float(stats.scalars[2])})
+        write_shard_info(out, info)
+        assert dir_bytes(out) > 0
+        return info

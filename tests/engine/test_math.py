@@ -1,0 +1,84 @@
+"""The engine's math on its own: token-vector codes, the count-sketch, the curvature basis."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from prism_tda.engine.codec import TokenCodec, code_bytes, pack, unpack, unpack_torch
+from prism_tda.engine.curvature import fit_basis
+from prism_tda.engine.sketch import Sketch, embed_sequences
+
+
+@pytest.mark.parametrize("bits", [8, 12, 16])
+def test_codes_pack_and_unpack(bits):
+    rng = np.random.default_rng(0)
+    codes = rng.integers(0, 1 << bits, (50, 16))
+    packed = pack(codes, bits)
+    assert packed.dtype == np.uint8 and packed.shape == (50, code_bytes(16, bits))
+    assert np.array_equal(unpack(packed, bits, 16), codes)
+    assert np.array_equal(unpack_torch(packed, bits, 16).numpy(), codes)
+
+
+@pytest.mark.parametrize("bits", [8, 12, 16])
+def test_codes_are_each_sub_vector_s_nearest_centroid(bits):
+    """The encoder's codes equal a brute-force nearest-centroid search, sub-vector by sub-vector."""
+    g = torch.Generator().manual_seed(2)
+    V, d, N, n_sub = 30, 16, 300, 4
+    W, Q = torch.randn(V, d, generator=g), torch.linalg.qr(torch.randn(d, d, generator=g))[0]
+    scale = torch.rand(d, generator=g) + 0.5
+    cents = torch.randn(n_sub, 1 << bits, d // n_sub, generator=g)
+    codec = TokenCodec(cents, scale, W, Q, bits)
+    y = torch.randint(0, V, (N,), generator=g)
+    ut = torch.randn(N, d, generator=g)
+    x = ((ut + W[y] @ Q) * scale).view(N, n_sub, -1)
+    want = torch.stack([torch.cdist(x[:, j], cents[j]).argmin(1) for j in range(n_sub)], 1).numpy()
+    got = unpack(codec.encode(ut, y), bits, n_sub)
+    assert (got == want).mean() > 0.999  # float ties aside
+
+
+def test_codec_keeps_the_target_row_exact_and_the_rest_close():
+    g = torch.Generator().manual_seed(0)
+    V, d, N = 50, 16, 4000
+    W, Q = torch.randn(V, d, generator=g), torch.linalg.qr(torch.randn(d, d, generator=g))[0]
+    y = torch.randint(0, V, (N,), generator=g)
+    m = torch.randn(N, d, generator=g) * 0.3  # the expected embeddings, in the Q basis
+    ut = m - W[y] @ Q  # Q^T u = Q^T (W^T p - W[y])
+    codec = TokenCodec.train(m, torch.ones(d), W, Q, n_sub=4, bits=8, seed=0)
+    dec = codec.decode(codec.encode(ut, y), y.numpy())
+    # the error is the quantisation error of m alone, far below the size of u
+    err = (dec - ut).norm(dim=1) / ut.norm(dim=1)
+    assert float(err.mean()) < 0.15
+    assert float(((dec - ut) - (m - m)).norm(dim=1).mean()) <= float((m - 0).norm(dim=1).mean())
+
+
+def test_identity_sketch_is_exact():
+    """With an identity projection and one bucket per prototype, <e(x), e(y)> = sum_i v_i(x) . v_i(y)."""
+    g = torch.Generator().manual_seed(1)
+    K, d, n_seq, rows = 6, 5, 4, 40
+    sk = Sketch(K, d, d, K, seed=0)
+    sk.R, sk.bucket, sk.sign = torch.eye(d), torch.arange(K), torch.ones(K)
+    seq = torch.randint(0, n_seq, (rows,), generator=g)
+    proto = torch.randint(0, K, (rows,), generator=g)
+    act = torch.rand(rows, generator=g)
+    ut = torch.randn(rows, d, generator=g)
+    inv_sqrt = torch.rand(K, d, generator=g) + 0.5
+    e = embed_sequences(sk, seq, proto, act, torch.arange(rows), ut, inv_sqrt, n_seq)
+    V = torch.zeros(n_seq, K, d)
+    for r in range(rows):
+        V[seq[r], proto[r]] += act[r] * ut[r] * inv_sqrt[proto[r]]
+    exact = torch.einsum("xkd,ykd->xy", V, V)
+    assert torch.allclose(e @ e.T, exact, atol=1e-4)
+    assert Sketch(32, 32, 16, 8, 0).dim == 128
+
+
+def test_basis_is_orthonormal_sorted_and_sign_fixed():
+    g = torch.Generator().manual_seed(2)
+    X = torch.randn(200, 8, generator=g)
+    S = X.T @ X
+    Q, ev = fit_basis(S)
+    assert torch.allclose(Q.T @ Q, torch.eye(8), atol=1e-5) and (ev[:-1] >= ev[1:]).all()
+    Q2, _ = fit_basis(S * (1 + 1e-12))
+    assert torch.allclose(Q, Q2, atol=1e-5)  # equal inputs, equal bases (no sign flips)
+    assert (Q.gather(0, Q.abs().argmax(0, keepdim=True)) > 0).all()
