@@ -58,7 +58,7 @@ SHARDS = "shards"
 CALIBRATION = "calibration.safetensors"
 FAISS_TEMPLATE = "faiss_template.index"
 POST_SIZES = "post_sizes.npy"  # each posting list's entries over every shard (written by the reduce)
-DOC_ROW_GROUP = 1024  # documents per Parquet row group: a document is read by its row group
+DOC_ROW_GROUP = 128  # documents per Parquet row group written: a document is read by its row group
 
 
 @dataclass(frozen=True)

@@ -24,7 +24,7 @@ from .calibration import IndexCalibration
 from .layout import DOC_ROW_GROUP, IndexManifest, ShardInfo
 from .sketch import Sketch, normalise
 
-DOC_GROUPS_CACHED = 16  # decoded Parquet row groups of documents kept, over every shard
+DOC_GROUPS_CACHED = 64  # decoded Parquet row groups of documents kept, over every shard
 ARRAYS = ("tokens", "protos", "acts", "codes", "self", "post_offsets", "post_tokens", "proto_top", "seq_tok0",
           "seq_doc", "seq_start", "seq_last_target")
 
@@ -72,6 +72,8 @@ class Shard:
             setattr(self, name, np.load(f, mmap_mode="r"))
         self.faiss = open_faiss(path / "faiss.index")
         self._docs = pq.ParquetFile(path / "documents.parquet")
+        md = self._docs.metadata  # documents per row group, as written (every group but the last)
+        self.group_rows = md.row_group(0).num_rows if md.num_row_groups and md.row_group(0).num_rows else DOC_ROW_GROUP
 
     def targets(self, local: np.ndarray) -> np.ndarray:
         """The token each of the ``local`` rows predicts: the next input token of its window, or the
@@ -295,8 +297,9 @@ class IndexReader:
         if not 0 <= s < len(self.shards) or doc >= self.n_docs:
             raise KeyError(doc)
         local = int(doc - self.doc_base[s])
-        group = self._doc_group(s, local // DOC_ROW_GROUP)
-        rec = {k: v[local % DOC_ROW_GROUP] for k, v in group.items()}
+        rows = self.shards[s].group_rows
+        group = self._doc_group(s, local // rows)
+        rec = {k: v[local % rows] for k, v in group.items()}
         rec["doc_id"] = int(doc)
         return rec
 

@@ -11,6 +11,7 @@ import gzip
 import hashlib
 import json
 import logging
+import os
 from collections import Counter
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
@@ -143,6 +144,21 @@ class WorkUnit:
         return self.start == 0 and self.stop == -1
 
 
+def gzip_size(path: Path, compressed: int) -> int:
+    """The uncompressed size of a gzip file, from its trailer (the size modulo 2^32, so files of
+    4 GiB and more are taken at the smallest size not below their compressed size); the compressed
+    size when the trailer cannot be read."""
+    try:
+        with open(path, "rb") as fh:
+            fh.seek(-4, os.SEEK_END)
+            size = int.from_bytes(fh.read(4), "little")
+    except OSError:
+        return compressed
+    while size < compressed:
+        size += 1 << 32
+    return size
+
+
 def plan_units(paths: Iterable[str | Path], unit_bytes: int, first: int = 0) -> list[WorkUnit]:
     """Cut the corpus into work units of about ``unit_bytes`` each, numbered from ``first``."""
     units: list[WorkUnit] = []
@@ -184,6 +200,8 @@ def plan_units(paths: Iterable[str | Path], unit_bytes: int, first: int = 0) -> 
                         lo, acc = g + 1, 0
                 if md.num_row_groups == 0:
                     add(kind="parquet", file=str(f), bytes=size)
+            elif f.name.lower().endswith(".gz"):
+                add(kind=kind, file=str(f), bytes=gzip_size(f, size))
             else:
                 add(kind=kind, file=str(f), bytes=size)
         if batch:

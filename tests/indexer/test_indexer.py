@@ -3,6 +3,7 @@ layout independence, crash-resume, Ray, append, refusals, bad input, dry-run."""
 
 from __future__ import annotations
 
+import gzip
 import json
 import os
 import signal
@@ -273,6 +274,11 @@ def test_a_split_jsonl_file_reads_every_record_once(tiny_ckpt, tiny_corpus, tmp_
     ids = [d.doc_id for u in units for d in read_unit(u, CorpusStats())]
     want = [str(json.loads(line)["id"]) for line in open(tiny_corpus)]
     assert ids == want
+    # a compressed file is one unit, sized by its uncompressed bytes (what the estimates scale by)
+    gz = tmp_path / "c.jsonl.gz"
+    gz.write_bytes(gzip.compress(tiny_corpus.read_bytes()))
+    (unit,) = plan_units([gz], 5_000)
+    assert unit.bytes == tiny_corpus.stat().st_size > gz.stat().st_size
 
 
 def test_dry_run_estimate_is_close(index, tiny_ckpt, tiny_corpus):
