@@ -71,6 +71,18 @@ def subset_index(real: Path, n_shards: int, out: Path) -> Path:
     return out
 
 
+def _ivf_entries(ivf):
+    """(list, its inverted lists, ids, codes) of every non-empty list of an IVF index (copies)."""
+    import faiss
+
+    il = faiss.downcast_InvertedLists(ivf.invlists)
+    for lst in range(ivf.nlist):
+        n = il.list_size(lst)
+        if n:
+            yield (lst, il, faiss.rev_swig_ptr(il.get_ids(lst), n).copy(),
+                   faiss.rev_swig_ptr(il.get_codes(lst), n * il.code_size).copy())
+
+
 def _reunit_faiss(path: Path, unit: int) -> None:
     """Rewrite a copied shard's FAISS ids to name its new work unit."""
     import faiss
@@ -82,14 +94,9 @@ def _reunit_faiss(path: Path, unit: int) -> None:
         ids = faiss.vector_to_array(ix.id_map)
         faiss.copy_array_to_vector(layout.faiss_ids(unit, layout.split_faiss_ids(ids)[1]), ix.id_map)
     else:
-        il = faiss.downcast_InvertedLists(ivf.invlists)
-        for lst in range(ivf.nlist):
-            n = il.list_size(lst)
-            if n:
-                ids = faiss.rev_swig_ptr(il.get_ids(lst), n).copy()
-                codes = faiss.rev_swig_ptr(il.get_codes(lst), n * il.code_size).copy()
-                new = layout.faiss_ids(unit, layout.split_faiss_ids(ids)[1])
-                il.update_entries(lst, 0, n, faiss.swig_ptr(new), faiss.swig_ptr(codes))
+        for lst, il, ids, codes in _ivf_entries(ivf):
+            new = layout.faiss_ids(unit, layout.split_faiss_ids(ids)[1])
+            il.update_entries(lst, 0, len(ids), faiss.swig_ptr(new), faiss.swig_ptr(codes))
     faiss.write_index(ix, str(path))
 
 
@@ -158,14 +165,9 @@ def merge_shards(real: Path, out_dir: Path, unit: int) -> layout.ShardInfo:
     for d, so in zip(parts, seq_off, strict=False):
         whole = faiss.read_index(str(d / "faiss.index"))  # kept: the IVF part below points into it
         part = faiss.extract_index_ivf(whole)
-        pil = faiss.downcast_InvertedLists(part.invlists)
-        for lst in range(part.nlist):
-            n = pil.list_size(lst)
-            if n:
-                ids = faiss.rev_swig_ptr(pil.get_ids(lst), n).copy()
-                codes = faiss.rev_swig_ptr(pil.get_codes(lst), n * pil.code_size).copy()
-                new = layout.faiss_ids(unit, layout.split_faiss_ids(ids)[1] + so)
-                il.add_entries(lst, n, faiss.swig_ptr(new), faiss.swig_ptr(codes))
+        for lst, _, ids, codes in _ivf_entries(part):
+            new = layout.faiss_ids(unit, layout.split_faiss_ids(ids)[1] + so)
+            il.add_entries(lst, len(ids), faiss.swig_ptr(new), faiss.swig_ptr(codes))
         ivf.ntotal += part.ntotal
     merged.ntotal = ivf.ntotal
     faiss.write_index(merged, str(out_dir / "faiss.index"))

@@ -50,19 +50,11 @@ def pack(codes: np.ndarray, bits: int) -> np.ndarray:
 
 def unpack(packed: np.ndarray, bits: int, n_sub: int) -> np.ndarray:
     """(N, code_bytes) uint8 -> (N, n_sub) int64 codes."""
-    n = packed.shape[0]
-    if bits == 8:
-        return packed.astype(np.int64)
-    if bits == 16:
-        return np.ascontiguousarray(packed).view("<u2").reshape(n, n_sub).astype(np.int64)
-    b = packed.reshape(n, -1, 3).astype(np.int64)
-    v = b[..., 0] | (b[..., 1] << 8) | (b[..., 2] << 16)
-    return np.stack([v & 0xFFF, v >> 12], axis=-1).reshape(n, n_sub)
-
+    return unpack_torch(packed, bits, n_sub).numpy()
 
 
 def unpack_torch(packed: np.ndarray, bits: int, n_sub: int) -> torch.Tensor:
-    """:func:`unpack` in torch (multithreaded), as int64 codes (N, n_sub)."""
+    """(N, code_bytes) uint8 -> (N, n_sub) int64 codes, in torch (multithreaded)."""
     n = packed.shape[0]
     b = torch.from_numpy(np.ascontiguousarray(packed))
     if bits == 8:
