@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import datetime as dt
 import json
 import os
 import shutil
@@ -311,13 +312,30 @@ def overlap_fast_exact(index: Path, queries: list[dict], k: int = 10) -> dict:
         s = e["cosine_max"]
         top = np.argsort(-s, kind="stable")[:k]
         top = top[s[top] > 0]
-        per_query.append({"id": q["id"], "kind": q["kind"], "overlap": len(set(f) & set(top.tolist())) / max(len(top), 1)})
+        # beside the strict set overlap: the exact score mass the fast top-k keeps (no tolerance to
+        # choose), and how many documents score within 0.1% of the exact k-th best (near-ties, where
+        # the strict overlap is decided by the last digits)
+        kth = float(s[top[-1]]) if len(top) else 0.0
+        ratio = float(s[f].sum() / s[top].sum()) if len(top) and s[top].sum() > 0 else 1.0
+        per_query.append({"id": q["id"], "kind": q["kind"], "overlap": len(set(f) & set(top.tolist())) / max(len(top), 1),
+                          "score_ratio": round(ratio, 4), "near_ties": int((s >= kth - 1e-3 * abs(kth)).sum())})
     ov = np.array([p["overlap"] for p in per_query])
+    ratio = np.array([p["score_ratio"] for p in per_query])
+    tied = np.array([p["near_ties"] > k for p in per_query])
     kinds = sorted({p["kind"] for p in per_query})
     rng = np.random.default_rng(0)
-    boots = [float(ov[rng.integers(0, len(ov), len(ov))].mean()) for _ in range(1000)]
+    draws = rng.integers(0, len(ov), (1000, len(ov)))
+
+    def ci(x: np.ndarray) -> list[float]:
+        b = x[draws].mean(1)
+        return [round(float(np.percentile(b, 2.5)), 3), round(float(np.percentile(b, 97.5)), 3)]
+
     return {"tokens": att.reader.n_tokens, "queries": len(queries), "overlap_at_10": round(float(ov.mean()), 3),
-            "ci95": [round(float(np.percentile(boots, 2.5)), 3), round(float(np.percentile(boots, 97.5)), 3)],
+            "ci95": ci(ov),
+            "score_ratio_at_10": round(float(ratio.mean()), 4), "score_ratio_ci95": ci(ratio),
+            "queries_with_near_ties": int(tied.sum()),
+            "overlap_at_10_without_near_ties": round(float(ov[~tied].mean()), 3) if (~tied).any() else None,
+            "overlap_at_10_with_near_ties": round(float(ov[tied].mean()), 3) if tied.any() else None,
             "by_kind": {kd: round(float(np.mean([p["overlap"] for p in per_query if p["kind"] == kd])), 3)
                         for kd in kinds},
             "fast_seconds_per_query": round(fast_s / len(queries), 3), "exact_pass_seconds": round(exact_s, 1),
@@ -425,6 +443,8 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--out", default="bench/results/scale.json")
     ap.add_argument("--plot", default="docs/img/scale.png")
     ap.add_argument("--plot-only", action="store_true", help="redraw the plot from --out and stop")
+    ap.add_argument("--overlap-only", action="store_true",
+                    help="measure fast vs exact again and update that part of --out (the sizes are kept)")
     args = ap.parse_args(argv)
     if args.plot_only:
         res = json.loads(Path(args.out).read_text())
@@ -437,6 +457,24 @@ def main(argv: list[str] | None = None) -> dict:
     tok_path = Path(m.checkpoint) / "tokenizer.json"
     indexed = sorted({u.file for u in m.units})
     held_file = sorted(p for p in corpus.glob("part-*.jsonl") if str(p.resolve()) not in indexed)[-1]
+
+    def measure_overlap() -> dict:
+        n_ov = args.overlap_shards or len(m.shards)
+        ov_ix = subset_index(real, n_ov, work / f"prefix_{n_ov:04d}")
+        ov_queries = [dict(q, kind="held_out")
+                      for q in held_out_queries(held_file, tok_path, args.overlap_queries, seed=2)]
+        ov_queries += [dict(q, kind="planted") for q in planted_queries(corpus, indexed)]
+        return overlap_fast_exact(ov_ix, ov_queries)
+
+    if args.overlap_only:
+        res = json.loads(Path(args.out).read_text())
+        ov = measure_overlap()
+        ov["command"] = "python bench/scale.py " + " ".join(sys.argv[1:] if argv is None else argv)
+        ov["date"] = dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")
+        res["overlap"], res["overlap_at_10_fast_vs_exact"] = ov, ov["overlap_at_10"]
+        Path(args.out).write_text(json.dumps(res, indent=2))
+        print(json.dumps({k: v for k, v in ov.items() if k != "per_query"}, indent=2))
+        return res
     queries = held_out_queries(held_file, tok_path, 60, seed=1)
     # sizes: the first shard, then the prefixes closest to 4x and 16x it; every shard last
     cum = np.cumsum([s.n_tokens for s in m.shards])
@@ -468,12 +506,7 @@ def main(argv: list[str] | None = None) -> dict:
     empty = sizes[0]["serve"]["rss_anon_bytes"]
     for s in sizes[1:]:
         s["serve_anon_bytes_per_token"] = round((s["serve"]["rss_anon_bytes"] - empty) / s["tokens"], 3)
-    # fast vs exact
-    n_ov = args.overlap_shards or len(m.shards)
-    ov_ix = subset_index(real, n_ov, work / f"prefix_{n_ov:04d}")
-    ov_queries = [dict(q, kind="held_out") for q in held_out_queries(held_file, tok_path, args.overlap_queries, seed=2)]
-    ov_queries += [dict(q, kind="planted") for q in planted_queries(corpus, indexed)]
-    overlap = overlap_fast_exact(ov_ix, ov_queries)
+    overlap = measure_overlap()
     real_sizes = [s for s in sizes if not s["synthetic"] and s["tokens"]]
     largest_real, largest = real_sizes[-1], sizes[-1]
     by_tokens = {s["tokens"]: s for s in sizes if s["tokens"]}
