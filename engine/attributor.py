@@ -40,6 +40,7 @@ from .scoring import (
     document_scores,
     exact_scores,
     rank_documents,
+    trained_only,
 )
 from .types import AGGREGATIONS, Aggregation, Attribution, Mode, QueryOptions, QuerySpec, Timings
 
@@ -108,6 +109,8 @@ class Attributor:
     def _fast(self, q: Query, opt: QueryOptions, pre: Preconditioner) -> tuple[TokenScores, int, list]:
         t0 = time.perf_counter()
         seqs = self.candidate_sequences(q, opt.n_candidates, opt.damping, opt.nprobe)
+        if not opt.include_untrained:
+            seqs = trained_only(self.reader, seqs)
         self._candidates_ms = 1e3 * (time.perf_counter() - t0)
         approx = approx_scores(self.reader, q.G, pre, self.reader.rows_of_sequences(seqs))
         short = rank_documents(self.reader, approx, opt.aggregation, opponents=opt.opponents,
@@ -125,8 +128,12 @@ class Attributor:
         tot = exhaustive(self.model, self.reader, [q], pre, sign=sign)[0]
         per_doc = tot.scores(sign)[opt.aggregation]
         best_tok = tot.cosine_best_tok if opt.aggregation.startswith("cosine") else tot.raw_best_tok
-        scored = np.nonzero(best_tok >= 0)[0]
-        top = scored[np.argsort(-(sign * per_doc[scored]), kind="stable")[: opt.n_documents]]
+        ok = best_tok >= 0
+        if not opt.include_untrained:
+            ok &= self.reader.trained(np.arange(self.reader.n_docs))
+        scored = np.nonzero(ok)[0]
+        tie = sign * tot.tie_break(opt.aggregation)[scored]
+        top = scored[np.lexsort((-tie, -(sign * per_doc[scored])))[: opt.n_documents]]
         # the returned documents' best sequences, scored again for their presentation
         exact = exact_scores(self.model, self.reader, q.G, pre, self.reader.seq_of_tokens(best_tok[top]))
         where = {int(t): i for i, t in enumerate(exact.tok)}
@@ -162,7 +169,8 @@ class Attributor:
         if mode == "exact":
             self._check_exact()
             return exhaustive(self.model, self.reader, [q], pre)[0].scores(1.0)
-        opt = QueryOptions(n_candidates=n_candidates, damping=damping, exact_rerank=exact_rerank)
+        opt = QueryOptions(n_candidates=n_candidates, damping=damping, exact_rerank=exact_rerank,
+                           include_untrained=True)  # every document: the caller decides which count
         seqs = self.candidate_sequences(q, n_candidates, damping)
         out = document_scores(self.reader, approx_scores(self.reader, q.G, pre, self.reader.rows_of_sequences(seqs)))
         exact, _, _ = self._fast(q, opt, pre)

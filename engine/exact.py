@@ -33,25 +33,36 @@ class DocumentTotals:
     raw_max: np.ndarray
     raw_best_tok: np.ndarray
     raw_sum: np.ndarray
+    cosine_best_raw: np.ndarray  # the raw influence of each document's best token by cosine (a tie-break)
+    raw_best_cosine: np.ndarray  # the cosine of each document's best token by raw influence
 
     @classmethod
     def empty(cls, n_docs: int, sign: float) -> DocumentTotals:
         low = np.full(n_docs, -np.inf)
         none = np.full(n_docs, -1, dtype=np.int64)
-        return cls(low.copy(), none.copy(), np.zeros(n_docs), low.copy(), none.copy(), np.zeros(n_docs))
+        return cls(low.copy(), none.copy(), np.zeros(n_docs), low.copy(), none.copy(), np.zeros(n_docs),
+                   np.zeros(n_docs), np.zeros(n_docs))
 
     def add(self, docs: np.ndarray, tok: np.ndarray, cos: np.ndarray, raw: np.ndarray, sign: float) -> None:
-        for kind, v in (("cosine", cos), ("raw", raw)):
+        for kind, v, w, companion in (("cosine", cos, raw, "cosine_best_raw"), ("raw", raw, cos, "raw_best_cosine")):
             best, arg = getattr(self, f"{kind}_max"), getattr(self, f"{kind}_best_tok")
             sv = sign * v
-            order = np.lexsort((-sv, docs))
+            order = np.lexsort((-(sign * w), -sv, docs))  # by document, best first, ties by the other measure
             first = np.ones(len(order), dtype=bool)
             first[1:] = docs[order][1:] != docs[order][:-1]
             top = order[first]
-            better = sv[top] > best[docs[top]]
+            cur = best[docs[top]]
+            better = (sv[top] > cur) | ((sv[top] == cur) & (sign * w[top] > sign * getattr(self, companion)[docs[top]]))
             best[docs[top][better]] = sv[top][better]
             arg[docs[top][better]] = tok[top][better]
+            getattr(self, companion)[docs[top][better]] = w[top][better]
             getattr(self, f"{kind}_sum")[:] += np.bincount(docs, weights=v, minlength=len(best))
+
+    def tie_break(self, aggregation: Aggregation) -> np.ndarray:
+        """Per document, the measure that breaks ties of ``aggregation``'s score: raw influence for the
+        cosine aggregations, the cosine for the raw ones."""
+        return {"cosine_max": self.cosine_best_raw, "cosine_sum": self.raw_sum,
+                "raw_max": self.raw_best_cosine, "raw_sum": self.cosine_sum}[aggregation]
 
     def scores(self, sign: float) -> dict[Aggregation, np.ndarray]:
         def signed_max(v: np.ndarray) -> np.ndarray:

@@ -86,6 +86,16 @@ class Shard:
     def doc_group(self, group: int) -> dict[str, list]:
         return self._docs.read_row_group(group).to_pydict()
 
+    @functools.cached_property
+    def trained(self) -> np.ndarray:
+        """(n_docs,) bool: whether the checkpoint trained on each document (the trainer's split, as
+        the indexer recorded it); one column of the documents table, read on first use. Indexes
+        written before the column existed count every document as trained."""
+        if "trained" not in self._docs.schema_arrow.names:
+            return np.ones(self.info.n_docs, dtype=bool)
+        col = self._docs.read(columns=["trained"]).column("trained")
+        return np.asarray(col.fill_null(True).to_numpy(zero_copy_only=False), dtype=bool)
+
 
 @dataclass
 class TokenData:
@@ -183,6 +193,13 @@ class IndexReader:
         out = np.zeros(len(seqs), dtype=np.int64)
         for s, at, local in self._split(seqs, self.seq_base):
             out[at] = self.doc_base[s] + self.shards[s].seq_doc[local]
+        return out
+
+    def trained(self, docs: np.ndarray) -> np.ndarray:
+        """Whether the checkpoint trained on each of the global document ids ``docs``."""
+        out = np.ones(len(docs), dtype=bool)
+        for s, at, local in self._split(np.asarray(docs, np.int64), self.doc_base):
+            out[at] = self.shards[s].trained[local]
         return out
 
     def seq_span(self, seq: int) -> tuple[int, int, int]:

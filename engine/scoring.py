@@ -187,5 +187,17 @@ def rank_documents(reader: IndexReader, scores: TokenScores, aggregation: Aggreg
     else:
         _, doc_index = np.unique(docs, return_inverse=True)
         doc_score = np.bincount(doc_index, weights=per_token)[doc_index[best]]
-    top = np.argsort(-(sign * doc_score), kind="stable")[:n]
+    # ties (cosines saturate near 1 on common tokens) are broken by the other measure: raw influence
+    # for the cosine aggregations, the cosine for the raw ones
+    other = scores.raw if aggregation.startswith("cosine") else scores.cos
+    if aggregation.endswith("_max"):
+        tie = other[best]
+    else:
+        tie = np.bincount(doc_index, weights=other)[doc_index[best]]
+    top = np.lexsort((-(sign * tie), -(sign * doc_score)))[:n]
     return [(int(best[i]), float(doc_score[i])) for i in top]
+
+
+def trained_only(reader: IndexReader, seqs: np.ndarray) -> np.ndarray:
+    """The sequences of ``seqs`` whose documents the checkpoint trained on."""
+    return seqs[reader.trained(reader.doc_of_seqs(seqs))] if len(seqs) else seqs

@@ -41,6 +41,9 @@ class QueryOptions:
     # by their approximate scores first; None: every token (sum aggregations always take every token)
     exact_tokens: int | None = 16
     nprobe: int | None = None  # FAISS lists searched (IVF indexes); None: the index's
+    # documents the checkpoint did not train on (its validation split) are left out unless asked for;
+    # every returned document says whether it was trained on
+    include_untrained: bool = False
 
 
 @dataclass
@@ -84,7 +87,10 @@ class ScoredDocument:
     """The document's score under the query's aggregation (by default the cosine of preconditioned
     prototype-space gradients of its best token)."""
     raw_influence: float
-    """Unnormalised prototype-space influence of the best token."""
+    """Unnormalised prototype-space influence of the best token (breaks ties of ``score``)."""
+    trained: bool
+    """Whether the checkpoint trained on this document (False: it is in the trainer's validation
+    split; such documents are returned only with ``include_untrained``)."""
     seq_id: int
     """The sequence (model-length window) holding the best token."""
     token_row: int

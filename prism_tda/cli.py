@@ -146,14 +146,16 @@ def cmd_attribute(args: argparse.Namespace) -> int:
     att = Attributor.open(args.index)
     res = att.attribute(QuerySpec(args.prompt, args.completion, args.max_new_tokens, args.target_index),
                         QueryOptions(n_documents=args.top_k, mode=args.mode, opponents=args.opponents,
-                                     damping=args.damping, aggregation=args.aggregation))
+                                     damping=args.damping, aggregation=args.aggregation,
+                                     include_untrained=args.include_untrained))
     if args.json:
         print(json.dumps(dataclasses.asdict(res), indent=2))
         return 0
     print(f"target: {res.query.target_text!r}   ({res.mode}, {res.timings_ms.total:.0f} ms)")
     for d in res.documents:
         snippet = " ".join(d.snippet.split())[:110]
-        print(f"{d.rank:3d}. {d.score:+.3f}  {d.external_id:<22s} {snippet}")
+        mark = "" if d.trained else "  [not trained on]"
+        print(f"{d.rank:3d}. {d.score:+.3f}  {d.external_id:<22s} {snippet}{mark}")
     return 0
 
 
@@ -435,6 +437,8 @@ def build_parser() -> argparse.ArgumentParser:
     a.add_argument("--damping", type=float, help="curvature damping, x the mean eigenvalue (default: the index's)")
     a.add_argument("--aggregation", default="cosine_max", choices=["cosine_max", "cosine_sum", "raw_max", "raw_sum"],
                    help="how a document's token scores make its score (default: the best token's cosine)")
+    a.add_argument("--include-untrained", action="store_true",
+                   help="also return documents the checkpoint did not train on (its validation split), marked")
     a.add_argument("--json", action="store_true")
     a.set_defaults(fn=cmd_attribute)
 

@@ -56,6 +56,8 @@ class AttributeRequest(Strict):
     aggregation: Aggregation = Field("cosine_max", description="How a document's token scores make its score: "
                                                                "the best token's cosine (default), the sum of "
                                                                "cosines, or the best or summed raw influence.")
+    include_untrained: bool = Field(False, description="Also return documents the checkpoint did not train on "
+                                                       "(its validation split); each document says `trained`.")
 
     def spec(self) -> QuerySpec:
         return QuerySpec(self.prompt, self.completion, self.max_new_tokens, self.target_index)
@@ -63,7 +65,8 @@ class AttributeRequest(Strict):
     def options(self) -> QueryOptions:
         return QueryOptions(n_documents=self.top_k, mode=self.mode, n_candidates=self.n_candidates,
                             opponents=self.opponents, damping=self.damping, aggregation=self.aggregation,
-                            exact_rerank=self.exact_rerank, exact_tokens=self.exact_tokens, nprobe=self.nprobe)
+                            exact_rerank=self.exact_rerank, exact_tokens=self.exact_tokens, nprobe=self.nprobe,
+                            include_untrained=self.include_untrained)
 
     @model_validator(mode="after")
     def _one_target(self) -> AttributeRequest:
@@ -137,6 +140,8 @@ class AuditRequest(Strict):
     top_k: int = Field(10, ge=1, le=1000)
     mode: Mode = "fast"
     n_candidates: int = Field(256, ge=1, le=16_384)
+    include_untrained: bool = Field(False, description="Also attribute to documents the checkpoint did not train "
+                                                       "on; each result document says `trained`.")
     flag: SetName | None = Field(None, description="Name of a prototype set: items whose target tokens used any "
                                                    "of its prototypes are flagged.")
     flag_prototypes: list[ProtoId] | None = Field(None, description="Prototype ids flagging items (with `flag`: "

@@ -40,7 +40,7 @@ CREATE TABLE IF NOT EXISTS items (
 CREATE INDEX IF NOT EXISTS items_by_status ON items (status, job_id, item_no);
 CREATE TABLE IF NOT EXISTS results (
     job_id TEXT NOT NULL, item_no INTEGER NOT NULL, rank INTEGER NOT NULL, doc_id INTEGER NOT NULL,
-    score REAL NOT NULL, raw_influence REAL, seq_id INTEGER,
+    score REAL NOT NULL, raw_influence REAL, seq_id INTEGER, trained INTEGER,
     PRIMARY KEY (job_id, item_no, rank)
 );
 CREATE TABLE IF NOT EXISTS prototype_sets (
@@ -54,7 +54,7 @@ ACTIVE = ("queued", "running")
 AUDIT_RESULTS_SCHEMA = pa.schema([
     ("job_id", pa.string()), ("item_no", pa.int32()), ("item_id", pa.string()), ("rank", pa.int32()),
     ("doc_id", pa.int32()), ("score", pa.float64()), ("raw_influence", pa.float64()), ("seq_id", pa.int32()),
-    ("target_text", pa.string()), ("flagged", pa.bool_()), ("flagged_prototypes", pa.list_(pa.int32())),
+    ("trained", pa.bool_()), ("target_text", pa.string()), ("flagged", pa.bool_()), ("flagged_prototypes", pa.list_(pa.int32())),
     ("used_prototypes", pa.list_(pa.int32())),
 ])
 
@@ -73,6 +73,9 @@ class StateDB:
         with self._connect() as con:
             con.execute("PRAGMA journal_mode = WAL")
             con.executescript(SCHEMA)
+            cols = {r["name"] for r in con.execute("PRAGMA table_info(results)")}
+            if "trained" not in cols:  # a state database from before the column: results then count as trained
+                con.execute("ALTER TABLE results ADD COLUMN trained INTEGER")
 
     @contextmanager
     def _connect(self) -> Iterator[sqlite3.Connection]:
@@ -175,9 +178,10 @@ class StateDB:
             if cur.rowcount != 1:
                 return False
             con.executemany(
-                "INSERT INTO results (job_id, item_no, rank, doc_id, score, raw_influence, seq_id) "
-                "VALUES (?, ?, ?, ?, ?, ?, ?)",
-                [(job_id, item_no, rank, d["doc_id"], d["score"], d.get("raw_influence"), d.get("seq_id"))
+                "INSERT INTO results (job_id, item_no, rank, doc_id, score, raw_influence, seq_id, trained) "
+                "VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
+                [(job_id, item_no, rank, d["doc_id"], d["score"], d.get("raw_influence"), d.get("seq_id"),
+                  int(d.get("trained", True)))
                  for rank, d in enumerate(r.get("documents", []), 1)])
             col = "n_failed" if error is not None else "n_done"
             con.execute(f"UPDATE jobs SET {col} = {col} + 1, updated_at = ?, status = CASE WHEN "
@@ -242,6 +246,7 @@ def _audit_results(con: sqlite3.Connection, index_name: str | None, job_id: str 
             where.append(f"{col} = ?")
             args.append(val)
     sql = ("SELECT r.job_id, r.item_no, i.item_id, r.rank, r.doc_id, r.score, r.raw_influence, r.seq_id, "
+           "coalesce(r.trained, 1) AS trained, "
            "i.target_text, i.flagged_prototypes, i.used_prototypes FROM results r "
            "JOIN items i ON i.job_id = r.job_id AND i.item_no = r.item_no JOIN jobs j ON j.id = r.job_id"
            + (" WHERE " + " AND ".join(where) if where else "") + " ORDER BY r.job_id, r.item_no, r.rank")
@@ -252,6 +257,7 @@ def _audit_results(con: sqlite3.Connection, index_name: str | None, job_id: str 
         for k in ("job_id", "item_no", "item_id", "rank", "doc_id", "score", "raw_influence", "seq_id",
                   "target_text"):
             cols[k].append(r[k])
+        cols["trained"].append(bool(r["trained"]))
         cols["flagged"].append(bool(flagged))
         cols["flagged_prototypes"].append(flagged)
         cols["used_prototypes"].append(json.loads(r["used_prototypes"] or "[]"))

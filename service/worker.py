@@ -26,8 +26,8 @@ log = logging.getLogger("prism.service.audits")
 def outcome(res: Attribution, flag: set[int]) -> dict[str, Any]:
     """An item's stored result: target, prototypes used by the target tokens, the flagged ones, documents."""
     used = sorted({p.proto_id for t in res.per_token for p in t.prototypes if p.act > 0})
-    docs = [{"doc_id": d.doc_id, "score": d.score, "raw_influence": d.raw_influence, "seq_id": d.seq_id,
-             "external_id": d.external_id} for d in res.documents]
+    docs = [{"doc_id": d.doc_id, "score": d.score, "raw_influence": d.raw_influence, "trained": d.trained,
+             "seq_id": d.seq_id, "external_id": d.external_id} for d in res.documents]
     return {"target_text": res.query.target_text, "used_prototypes": used,
             "flagged_prototypes": [p for p in used if p in flag], "documents": docs}
 
@@ -101,7 +101,8 @@ class AuditWorker:
         error, result = None, None
         try:
             res = ix.attribute(QuerySpec(item["prompt"], item["completion"], item["max_new_tokens"]),
-                               QueryOptions(n_documents=p["top_k"], mode=p["mode"], n_candidates=p["n_candidates"]))
+                               QueryOptions(n_documents=p["top_k"], mode=p["mode"], n_candidates=p["n_candidates"],
+                                            include_untrained=bool(p.get("include_untrained", False))))
             result = outcome(res, set(item["flag_prototypes"] or []))
         except PrismError as e:
             error = str(e)

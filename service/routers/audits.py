@@ -80,7 +80,8 @@ async def create_audit(body: AuditRequest, services: ServicesDep, principal: Pri
         flag = await resolve(it.flag, f"items[{n}].flag") if it.flag else job_flag
         items.append({"id": it.id, "prompt": it.prompt, "completion": it.completion,
                       "max_new_tokens": it.max_new_tokens, "flag_set": it.flag or body.flag, "flag_prototypes": flag})
-    params = {"top_k": body.top_k, "mode": body.mode, "n_candidates": body.n_candidates, "flag": body.flag,
+    params = {"top_k": body.top_k, "mode": body.mode, "n_candidates": body.n_candidates,
+              "include_untrained": body.include_untrained, "flag": body.flag,
               "flag_prototypes": job_flag}
     req_hash = request_hash(body.model_dump(mode="json") | {"index": ix.name})
     job, created = await services.io(services.state.create_job, ix.name, params, items, principal=principal.id,

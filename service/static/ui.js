@@ -57,7 +57,10 @@ export function docCard(d) {
       h("span", { class: "score", title: "cosine of preconditioned prototype-space gradients" },
         "score ", h("b", {}, num(d.score))),
       h("a", { href: `#/document/${d.doc_id}` }, d.external_id || `document ${d.doc_id}`),
-      d.raw_influence != null ? h("span", { class: "muted" }, `influence ${num(d.raw_influence, 1)}`) : null),
+      d.raw_influence != null ? h("span", { class: "muted", title: "raw influence: breaks ties of the score" },
+        `influence ${num(d.raw_influence, 1)}`) : null,
+      d.trained === false ? h("span", { class: "chip untrained", title: "the checkpoint did not train on this "
+        + "document (validation split)" }, "not trained on") : null),
     d.snippet != null ? h("p", { class: "snippet" }, marked(d.snippet, d.highlights || [])) : null,
     shares.length ? h("p", { class: "shares" }, h("span", { class: "muted" }, "prototypes "),
       shares.map((s) => h("span", { class: "chip" }, protoLink(s.proto_id), ` ${pct(s.share)}`))) : null);

@@ -156,9 +156,10 @@ def test_document_scores_cover_every_document_and_agree_with_the_ranking(att):
     s = att.document_scores(q, mode="exact")
     assert set(s) == {"cosine_max", "cosine_sum", "raw_max", "raw_sum"}
     assert all(v.shape == (att.reader.n_docs,) for v in s.values())
-    for aggregation in s:  # every aggregation ranks the documents as document_scores says
+    trained = att.reader.trained(np.arange(att.reader.n_docs))
+    for aggregation in s:  # every aggregation ranks the (trained) documents as document_scores says
         res = att.attribute(COMPUTER, exact(5, aggregation=aggregation))
-        top = np.argsort(-s[aggregation], kind="stable")[:5]
+        top = np.nonzero(trained)[0][np.argsort(-s[aggregation][trained], kind="stable")[:5]]
         assert [d.score for d in res.documents] == pytest.approx(s[aggregation][top].tolist(), rel=1e-6)
         assert res.aggregation == aggregation
     fast = att.document_scores(q, mode="fast")
@@ -208,3 +209,52 @@ def test_ivf_parts_are_searched_as_one_index(att, tiny_ckpt, tiny_corpus, tmp_pa
     assert ivf.reader.search(G, 20, nprobe=4).tolist() == stacked.tolist()
     one = ivf.reader.search(G, 20)  # the index's nprobe: one list of four
     assert 0 < len(one) <= 20
+
+
+def test_documents_know_whether_the_checkpoint_trained_on_them(att, tiny_ckpt):
+    from prism_tda.corpus import is_validation
+    from prism_tda.model import checkpoint as ckpt
+
+    val_fraction = ckpt.load_checkpoint(tiny_ckpt)[2]["training"]["train_config"]["val_fraction"]
+    docs = np.arange(att.reader.n_docs)
+    trained = att.reader.trained(docs)
+    expect = np.array([not is_validation(att.reader.external_id(int(d)), val_fraction) for d in docs])
+    assert np.array_equal(trained, expect)
+    assert 0 < (~trained).sum() < len(docs) // 4  # the tiny run holds out 10% of its documents
+    # a held-out document's own text as the query: found only when asked for, and marked
+    held = int(np.nonzero(~trained)[0][0])
+    ids = att.tokenizer.encode(att.reader.document(held)["text"]).ids
+    spec = QuerySpec(att.tokenizer.decode(ids[:16]), att.tokenizer.decode(ids[16:24]))
+    n = att.reader.n_docs
+    for mode in ("exact", "fast"):
+        opts = dict(n_documents=n, mode=mode, n_candidates=100_000, exact_rerank=n)
+        default = att.attribute(spec, QueryOptions(**opts))
+        both = att.attribute(spec, QueryOptions(**opts, include_untrained=True))
+        assert default.documents and all(d.trained for d in default.documents)
+        assert all(d.trained == bool(trained[d.doc_id]) for d in both.documents)
+        assert held in {d.doc_id for d in both.documents if not d.trained}
+        # leaving the held-out documents out changes nothing about the trained ones' scores
+        kept = {d.doc_id: d.score for d in both.documents if d.trained}
+        got = {d.doc_id: d.score for d in default.documents}
+        assert set(got) <= set(kept)
+        assert all(got[k] == pytest.approx(kept[k], rel=1e-4) for k in got)
+
+
+def test_ties_are_broken_by_raw_influence(att):
+    from prism_tda.engine.scoring import TokenScores, rank_documents
+
+    # one token of each of six documents, with equal cosines and different raw influences
+    seq_first = np.array([att.reader.seq_span(s)[0] for s in range(att.reader.n_seqs)])
+    docs = att.reader.doc_of_seqs(np.arange(att.reader.n_seqs))
+    _, first_seq = np.unique(docs, return_index=True)
+    tok = np.sort(seq_first[first_seq[:6]])
+    raw = np.array([0.5, 3.0, 1.0, 2.0, 0.1, 2.5])
+    cos = np.array([0.9, 0.999, 0.999, 0.999, 0.3, 0.999])
+    k = att.reader.k
+    scores = TokenScores(tok, raw, cos, np.zeros((6, k), np.int64), np.zeros((6, k), np.float32), True)
+    ranked = rank_documents(att.reader, scores, "cosine_max", opponents=False, n=6)
+    assert [raw[b] for b, _ in ranked] == [3.0, 2.5, 2.0, 1.0, 0.5, 0.1]
+    ranked = rank_documents(att.reader, scores, "raw_max", opponents=False, n=6)
+    assert [raw[b] for b, _ in ranked] == [3.0, 2.5, 2.0, 1.0, 0.5, 0.1]
+    ranked = rank_documents(att.reader, scores, "cosine_max", opponents=True, n=6)
+    assert [raw[b] for b, _ in ranked] == [0.1, 0.5, 1.0, 2.0, 2.5, 3.0]

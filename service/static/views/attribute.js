@@ -31,6 +31,7 @@ export async function render(root, { params }) {
   const mode = h("select", { id: "attr-mode" }, h("option", { value: "fast" }, "fast (candidates, exact re-rank)"),
     h("option", { value: "exact" }, "exact (every training token sharing a prototype)"));
   const opponents = h("input", { id: "attr-opp", type: "checkbox" });
+  const untrained = h("input", { id: "attr-untrained", type: "checkbox" });
   const choice = (value, label, checked) => h("label", { class: "radio" },
     h("input", { type: "radio", name: "target", value, checked }), ` ${label}`);
   const targets = h("fieldset", { class: "targets" }, h("legend", {}, "Output to attribute"),
@@ -44,7 +45,8 @@ export async function render(root, { params }) {
   const form = h("form", { class: "card form", "aria-label": "Attribution query" },
     field("Prompt", prompt), targets,
     h("div", { class: "row" }, field("Documents", topK), field("Search", mode),
-      h("label", { class: "check" }, opponents, " documents that oppose the output instead")),
+      h("label", { class: "check" }, opponents, " documents that oppose the output instead"),
+      h("label", { class: "check" }, untrained, " include documents the model did not train on")),
     h("div", { class: "row" }, submit, status));
   completion.addEventListener("focus", () => { targets.querySelector("input[value=completion]").checked = true; });
   nNew.addEventListener("focus", () => { targets.querySelector("input[value=generate]").checked = true; });
@@ -57,11 +59,13 @@ export async function render(root, { params }) {
     else if (r.max_new_tokens == null) targets.querySelector("input[value=prompt]").checked = true;
     if (r.max_new_tokens != null) nNew.value = r.max_new_tokens;
     topK.value = r.top_k; mode.value = r.mode; opponents.checked = r.opponents;
+    untrained.checked = !!r.include_untrained;
   }
 
   form.addEventListener("submit", async (e) => {
     e.preventDefault();
-    const req = { prompt: prompt.value, top_k: Number(topK.value), mode: mode.value, opponents: opponents.checked };
+    const req = { prompt: prompt.value, top_k: Number(topK.value), mode: mode.value, opponents: opponents.checked,
+      include_untrained: untrained.checked };
     const which = form.querySelector("input[name=target]:checked").value;
     if (which === "generate") req.max_new_tokens = Number(nNew.value);
     if (which === "completion") {
