@@ -79,8 +79,13 @@ def query_losses(model, ds: TokenDataset) -> np.ndarray:
 
 # --------------------------------------------------------------------------- EK-FAC (kronfluence)
 def ekfac_scores(model, train: TokenDataset, queries: TokenDataset, work: Path, *, batch_size: int = 16,
-                 query_batch_size: int = 64) -> dict:
-    """Fit EK-FAC factors on the training sequences, then score every (query, sequence) pair."""
+                 query_batch_size: int = 64, single_queries: int = 0) -> dict:
+    """Fit EK-FAC factors on the training sequences, then score every (query, sequence) pair.
+
+    kronfluence makes one pass over the training gradients per batch of queries, so its time per
+    query depends on how many queries share a pass: ``query_batch_size`` for the scores returned;
+    with ``single_queries``, the first that many queries are also scored one per pass (as a served
+    index answers them), timed apart (``single_seconds_per_query``)."""
     from kronfluence.analyzer import Analyzer, prepare_model
     from kronfluence.arguments import FactorArguments, ScoreArguments
     from kronfluence.task import Task
@@ -116,8 +121,24 @@ def ekfac_scores(model, train: TokenDataset, queries: TokenDataset, work: Path, 
                                      overwrite_output_dir=True)
     score_s = time.perf_counter() - t0
     scores = analyzer.load_pairwise_scores("scores")["all_modules"].float().numpy()
+    out = {"scores": scores, "fit_seconds": fit_s, "score_seconds": score_s, "query_batch_size": query_batch_size}
+    if single_queries:
+        from torch.utils.data import Subset
+
+        ts = []
+        for i in range(min(single_queries, len(queries))):
+            t0 = time.perf_counter()
+            analyzer.compute_pairwise_scores(f"single_{i}", "ekfac", Subset(queries, [i]), train,
+                                             per_device_query_batch_size=1, per_device_train_batch_size=batch_size,
+                                             score_args=ScoreArguments(), overwrite_output_dir=True)
+            ts.append(time.perf_counter() - t0)
+            one = analyzer.load_pairwise_scores(f"single_{i}")["all_modules"].float().numpy()
+            out.setdefault("single_max_abs_diff", 0.0)
+            out["single_max_abs_diff"] = max(out["single_max_abs_diff"], float(np.abs(one[0] - scores[i]).max()))
+        out["single_seconds"] = ts
+        out["single_seconds_per_query"] = float(np.median(ts))
     # kronfluence scores are grad_q^T H^-1 grad_x of the losses; + means x lowers the query's loss
-    return {"scores": scores, "fit_seconds": fit_s, "score_seconds": score_s}
+    return out
 
 
 # --------------------------------------------------------------------------- TRAK (traker)
@@ -199,21 +220,29 @@ def trak_scores(model, train: TokenDataset, queries: TokenDataset, work: Path, *
             "proj_dim": proj_dim, "n_params": n_params}
 
 
-def score_index(method: str, index_dir: Path, queries: list[tuple[list[int], list[int]]], work: Path) -> dict:
-    """EK-FAC or TRAK scores of the queries ((prompt ids, completion ids)) against every indexed
-    sequence, with the index's own model; adds ``seq_doc`` (each sequence's document) and ``model``."""
+def score_index(method: str, index_dir: Path, queries: list[tuple[list[int], list[int]]], work: Path,
+                **kw) -> dict:
+    """EK-FAC, TRAK or Bergson scores of the queries ((prompt ids, completion ids)) against every
+    indexed sequence, with the index's own model; adds ``seq_doc`` (each sequence's document) and
+    ``model``."""
 
     from prism_tda.engine import layout as store
     from prism_tda.model import checkpoint as ckpt
 
-    model, _, _ = ckpt.load_checkpoint(store.read_manifest(index_dir).checkpoint)
+    checkpoint = store.read_manifest(index_dir).checkpoint
+    model, _, _ = ckpt.load_checkpoint(checkpoint)
     from _common import index_sequences
 
     seqs = index_sequences(index_dir)
     block = model.cfg.block_size
     train = TokenDataset.from_sequences(seqs["token_ids"], seqs["target_ids"], block)
-    fn = ekfac_scores if method == "ekfac" else trak_scores
-    r = fn(model, train, TokenDataset.from_queries(queries, block), work)
+    if method == "bergson":
+        from bergson_baseline import bergson_scores
+
+        fn, kw = bergson_scores, {"checkpoint": checkpoint, "faiss": True} | kw
+    else:
+        fn = ekfac_scores if method == "ekfac" else trak_scores
+    r = fn(model, train, TokenDataset.from_queries(queries, block), work, **kw)
     return r | {"seq_doc": np.asarray(seqs["doc_id"]), "model": model}
 
 

@@ -51,7 +51,7 @@ MODEL = ["model.vocab_size=2048", "model.block_size=64", "model.n_layer=2", "mod
          "train.ckpt_every=100000", "train.warmup_steps=30"]
 # PRISM as served (cosine, best token per document), and other aggregations of its exact token scores
 PRISM_VARIANTS = ["prism_exact_cosine_sum", "prism_exact_raw_sum", "prism_exact_raw_max"]
-METHODS = ["prism_fast", "prism_exact", *PRISM_VARIANTS, "ekfac", "trak", "bm25"]
+METHODS = ["prism_fast", "prism_exact", *PRISM_VARIANTS, "ekfac", "trak", "bergson", "bm25"]
 
 
 # --------------------------------------------------------------------------- corpus and queries
@@ -171,9 +171,10 @@ def _run_method(method: str, work: Path, index_dir: Path, queries: list[dict], c
         out |= {"seconds_per_query_fast": float(np.median(times["fast"])),
                 "seconds_per_query_exact": float(np.median(times["exact"])),
                 "top10_fast": top["fast"], "top10_exact": top["exact"], "candidate_recall": cand_recall}
-    elif method in ("ekfac", "trak"):
+    elif method in ("ekfac", "trak", "bergson"):
+        kw = {"single_queries": 8} if method in ("ekfac", "bergson") else {}
         r = baselines.score_index(method, index_dir, [(q["prompt_ids"], q["completion_ids"]) for q in queries],
-                                  work / f"{method}_store")
+                                  work / f"{method}_store", **kw)
         per_doc = np.zeros((len(queries), n_docs), dtype=np.float64)
         for s, d in enumerate(r["seq_doc"]):  # a document's score = sum over its sequences
             per_doc[:, d] += r["scores"][:, s]
@@ -181,7 +182,15 @@ def _run_method(method: str, work: Path, index_dir: Path, queries: list[dict], c
         out |= {"setup_seconds": r["fit_seconds"], "score_seconds": r["score_seconds"],
                 "seconds_per_query": r["score_seconds"] / len(queries), "n_train_sequences": len(r["seq_doc"]),
                 "n_params": sum(p.numel() for p in r["model"].parameters())}
-        out |= {k: r[k] for k in ("proj_dim",) if k in r}
+        out |= {k: r[k] for k in ("proj_dim", "single_seconds_per_query", "single_max_abs_diff",
+                                  "bytes_per_train_example", "faiss_bytes_per_train_example", "store_dim",
+                                  "projection_dim") if k in r}
+        if "bytes_per_train_example" in r:  # the store (and its FAISS index) per training token
+            from prism_tda.engine import layout as store
+
+            shards = store.read_manifest(index_dir).shards
+            per_seq = r["bytes_per_train_example"] + r.get("faiss_bytes_per_train_example", 0)
+            out["bytes_per_token"] = per_seq * sum(s.n_seqs for s in shards) / sum(s.n_tokens for s in shards)
     elif method == "bm25":
         r = baselines.bm25_scores(docs["text"], [q["prompt"] + q["completion"] for q in queries])
         np.save(work / "scores_bm25.npy", r["scores"].astype(np.float32))
