@@ -113,21 +113,28 @@ class Attributor:
             seqs = trained_only(self.reader, seqs)
         self._candidates_ms = 1e3 * (time.perf_counter() - t0)
         approx = approx_scores(self.reader, q.G, pre, self.reader.rows_of_sequences(seqs))
-        short = rank_documents(self.reader, approx, opt.aggregation, opponents=opt.opponents,
+        # the shortlist ranks the approximate scores (cosine_match: by the whole target's best token)
+        shortlist_by = "cosine_max" if opt.aggregation == "cosine_match" else opt.aggregation
+        short = rank_documents(self.reader, approx, shortlist_by, opponents=opt.opponents,
                                n=max(opt.exact_rerank, opt.n_documents))
         best_seqs = self.reader.seq_of_tokens(approx.tok[[b for b, _ in short]]) if short else np.zeros(0, np.int64)
         m = opt.exact_tokens if opt.aggregation.endswith("_max") else None
         tokens = None if m is None else _best_tokens_per_sequence(self.reader, approx, best_seqs, m, opt.opponents)
-        exact = exact_scores(self.model, self.reader, q.G, pre, best_seqs, tokens=tokens)
+        match = q if opt.aggregation == "cosine_match" else None
+        if match is not None and len(best_seqs):
+            # a target token's best match can sit in any window of the document: every candidate
+            # sequence of the shortlisted documents is re-scored
+            best_seqs = seqs[np.isin(self.reader.doc_of_seqs(seqs), self.reader.doc_of_seqs(best_seqs))]
+        exact = exact_scores(self.model, self.reader, q.G, pre, best_seqs, tokens=tokens, match=match)
         ranked = rank_documents(self.reader, exact, opt.aggregation, opponents=opt.opponents, n=opt.n_documents)
         return exact, len(approx.tok), ranked
 
     def _exhaustive(self, q: Query, opt: QueryOptions, pre: Preconditioner) -> tuple[TokenScores, int, list]:
         self._check_exact()
         sign = -1.0 if opt.opponents else 1.0
-        tot = exhaustive(self.model, self.reader, [q], pre, sign=sign)[0]
+        tot = exhaustive(self.model, self.reader, [q], pre, sign=sign, match=opt.aggregation == "cosine_match")[0]
         per_doc = tot.scores(sign)[opt.aggregation]
-        best_tok = tot.cosine_best_tok if opt.aggregation.startswith("cosine") else tot.raw_best_tok
+        best_tok = tot.best_token(opt.aggregation)
         ok = best_tok >= 0
         if not opt.include_untrained:
             ok &= self.reader.trained(np.arange(self.reader.n_docs))
@@ -135,7 +142,8 @@ class Attributor:
         tie = sign * tot.tie_break(opt.aggregation)[scored]
         top = scored[np.lexsort((-tie, -(sign * per_doc[scored])))[: opt.n_documents]]
         # the returned documents' best sequences, scored again for their presentation
-        exact = exact_scores(self.model, self.reader, q.G, pre, self.reader.seq_of_tokens(best_tok[top]))
+        exact = exact_scores(self.model, self.reader, q.G, pre, self.reader.seq_of_tokens(best_tok[top]),
+                             match=q if opt.aggregation == "cosine_match" else None)
         where = {int(t): i for i, t in enumerate(exact.tok)}
         return exact, self.reader.n_tokens, [(where[int(best_tok[d])], float(per_doc[d])) for d in top]
 
@@ -161,14 +169,15 @@ class Attributor:
         return Attribution(opt.mode, opt.aggregation, pre.damping, q.info(), docs, q.per_token, ms, int(n_scored))
 
     def document_scores(self, q: Query, mode: Mode = "exact", n_candidates: int = 256,
-                        damping: float | None = None, exact_rerank: int = 32) -> dict[Aggregation, np.ndarray]:
+                        damping: float | None = None, exact_rerank: int = 32,
+                        match: bool = False) -> dict[Aggregation, np.ndarray]:
         """Every document's score for one encoded query under each aggregation (0 where a document has
         no scored token); what the evaluation uses. ``fast``: the shortlisted documents' exact scores,
         the other candidates' approximate ones."""
         pre = self.preconditioner(damping)
         if mode == "exact":
             self._check_exact()
-            return exhaustive(self.model, self.reader, [q], pre)[0].scores(1.0)
+            return exhaustive(self.model, self.reader, [q], pre, match=match)[0].scores(1.0)
         opt = QueryOptions(n_candidates=n_candidates, damping=damping, exact_rerank=exact_rerank,
                            include_untrained=True)  # every document: the caller decides which count
         seqs = self.candidate_sequences(q, n_candidates, damping)

@@ -44,6 +44,21 @@ class Query:
     G: torch.Tensor  # (K, u_dim) prototype-space gradient in the Q basis
     per_token: list[TokenView]
     target_text: str
+    # each target token's own part of G: its active prototypes, activations and Q^T u_t
+    target_protos: torch.Tensor | None = None  # (n_targets, k)
+    target_acts: torch.Tensor | None = None  # (n_targets, k)
+    target_u: torch.Tensor | None = None  # (n_targets, u_dim)
+
+    @property
+    def n_targets(self) -> int:
+        return len(self.target_ids)
+
+    def target_G(self, j: int) -> torch.Tensor:
+        """Target token ``j``'s part of ``G`` (K, u_dim): the gradient of its loss alone."""
+        assert self.target_protos is not None and self.target_acts is not None and self.target_u is not None
+        G = torch.zeros_like(self.G)
+        G.index_add_(0, self.target_protos[j], self.target_acts[j, :, None] * self.target_u[j][None, :])
+        return G
 
     @property
     def prototypes(self) -> torch.Tensor:
@@ -122,7 +137,7 @@ class QueryEncoder:
         for j in range(idx.shape[1]):  # k small: one scatter per active slot
             G.index_add_(0, idx[:, j], a[:, j : j + 1] * ut)
         return Query(spec, ids, len(p_ids), positions, targets, G, self._per_token(ids, positions, targets),
-                     self.tokenizer.decode(targets))
+                     self.tokenizer.decode(targets), idx.clone(), a.float().clone(), ut.float().clone())
 
     def _per_token(self, ids: list[int], positions: list[int], targets: list[int]) -> list[TokenView]:
         d = self.model.decompose(torch.tensor(ids[:-1]), positions=torch.tensor(positions),

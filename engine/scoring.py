@@ -24,6 +24,7 @@ import torch
 
 from prism_tda.model import PRISM
 
+from .query import Query
 from .reader import IndexReader
 from .tokens import run_batch
 from .types import Aggregation
@@ -52,6 +53,7 @@ class TokenScores:
     protos: np.ndarray  # (n, k) the token's active prototypes
     slot_val: np.ndarray  # (n, k) each prototype's term a_{t,i} w_i . u_t (0 outside the query's prototypes)
     exact: bool  # recomputed by the model (else from the index's compressed values)
+    match: np.ndarray | None = None  # (n, n_targets) each target token's own cosine (cosine_match)
 
 
 def _query_columns(G: torch.Tensor, pre: Preconditioner) -> tuple[np.ndarray, torch.Tensor]:
@@ -74,6 +76,16 @@ def _scores(tok: np.ndarray, protos: np.ndarray, acts: np.ndarray, U: torch.Tens
     raw = slot_val.sum(1).astype(np.float64)
     cos = raw / np.sqrt(max(pre.self_influence(G), 1e-30) * np.maximum(t_self, 1e-30))
     return TokenScores(tok, raw, cos, protos, slot_val, exact)
+
+
+def match_cosines(protos: np.ndarray, acts: np.ndarray, U: torch.Tensor, t_self: np.ndarray, q: Query,
+                  pre: Preconditioner) -> np.ndarray:
+    """(n, n_targets): each token's cosine with each target token's own gradient (``cosine_match``)."""
+    out = np.zeros((len(t_self), q.n_targets))
+    tok = np.zeros(len(t_self), dtype=np.int64)
+    for j in range(q.n_targets):
+        out[:, j] = _scores(tok, protos, acts, U, t_self, q.target_G(j), pre, exact=True).cos
+    return out
 
 
 def self_influence(U: torch.Tensor, protos: np.ndarray, acts: np.ndarray, inv: torch.Tensor) -> np.ndarray:
@@ -119,9 +131,10 @@ def approx_scores(reader: IndexReader, G: torch.Tensor, pre: Preconditioner, tok
 
 
 def exact_scores(model: PRISM, reader: IndexReader, G: torch.Tensor, pre: Preconditioner, seqs: np.ndarray, *,
-                 tokens: np.ndarray | None = None, batch_size: int = 32) -> TokenScores:
+                 tokens: np.ndarray | None = None, batch_size: int = 32, match: Query | None = None) -> TokenScores:
     """Scores of every token of the sequences ``seqs`` (or only of the global rows ``tokens``, which
-    then name the sequences), recomputed by the model in full precision."""
+    then name the sequences), recomputed by the model in full precision; with ``match``, also each
+    token's cosine with each of that query's target tokens."""
     Q = reader.curv.Q
     if tokens is not None:
         tokens = np.unique(tokens)
@@ -141,13 +154,18 @@ def exact_scores(model: PRISM, reader: IndexReader, G: torch.Tensor, pre: Precon
         protos, acts = tb.proto_idx.numpy(), tb.acts.float().numpy()
         rows = first[tb.row.numpy()] + tb.pos.numpy()
         t_self = self_influence(ut, protos, acts, pre.inv)
-        parts.append(_scores(rows, protos, acts, ut, t_self, G, pre, exact=True))
+        part = _scores(rows, protos, acts, ut, t_self, G, pre, exact=True)
+        if match is not None:
+            part.match = match_cosines(protos, acts, ut, t_self, match, pre)
+        parts.append(part)
     if not parts:
         k = reader.k
         return TokenScores(np.zeros(0, np.int64), np.zeros(0), np.zeros(0), np.zeros((0, k), np.int64),
-                           np.zeros((0, k), np.float32), True)
+                           np.zeros((0, k), np.float32), True,
+                           None if match is None else np.zeros((0, match.n_targets)))
     cat = {f: np.concatenate([getattr(p, f) for p in parts]) for f in ("tok", "raw", "cos", "protos", "slot_val")}
-    return TokenScores(cat["tok"], cat["raw"], cat["cos"], cat["protos"], cat["slot_val"], True)
+    m = None if match is None else np.concatenate([p.match for p in parts if p.match is not None])
+    return TokenScores(cat["tok"], cat["raw"], cat["cos"], cat["protos"], cat["slot_val"], True, m)
 
 
 def token_docs(reader: IndexReader, scores: TokenScores) -> np.ndarray:
@@ -176,6 +194,8 @@ def rank_documents(reader: IndexReader, scores: TokenScores, aggregation: Aggreg
     """The ``n`` best documents as (index into ``scores.tok`` of the document's best token, document
     score), best first; with ``opponents``, the most negative."""
     sign = -1.0 if opponents else 1.0
+    if aggregation == "cosine_match":
+        return _rank_match(reader, scores, sign, n)
     per_token = scores.cos if aggregation.startswith("cosine") else scores.raw
     docs = token_docs(reader, scores)
     order = np.lexsort((-(sign * per_token), docs))  # by document, best token first
@@ -195,6 +215,33 @@ def rank_documents(reader: IndexReader, scores: TokenScores, aggregation: Aggreg
     else:
         tie = np.bincount(doc_index, weights=other)[doc_index[best]]
     top = np.lexsort((-(sign * tie), -(sign * doc_score)))[:n]
+    return [(int(best[i]), float(doc_score[i])) for i in top]
+
+
+def match_documents(docs: np.ndarray, match: np.ndarray, sign: float) -> tuple[np.ndarray, np.ndarray]:
+    """(unique documents, their ``cosine_match`` scores): per document and target token the best of
+    its tokens' cosines (by ``sign``), averaged over the target tokens."""
+    order = np.argsort(docs, kind="stable")
+    d = docs[order]
+    starts = np.nonzero(np.r_[True, d[1:] != d[:-1]])[0]
+    best = np.maximum.reduceat(sign * match[order], starts, axis=0)  # (n_docs_hit, n_targets)
+    return d[starts], sign * best.mean(1)
+
+
+def _rank_match(reader: IndexReader, scores: TokenScores, sign: float, n: int) -> list[tuple[int, float]]:
+    if scores.match is None:
+        raise ValueError("cosine_match needs the target tokens' cosines (TokenScores.match)")
+    if len(scores.tok) == 0:
+        return []
+    docs = token_docs(reader, scores)
+    uniq, doc_score = match_documents(docs, scores.match, sign)
+    # each document's shown token: the one closest to the whole target (best mean over target tokens)
+    per_token = sign * scores.match.mean(1)
+    order = np.lexsort((-per_token, docs))
+    first = np.r_[True, docs[order][1:] != docs[order][:-1]]
+    best = order[first]  # aligned with uniq (both by ascending document)
+    tie = sign * scores.raw[best]
+    top = np.lexsort((-tie, -(sign * doc_score)))[:n]
     return [(int(best[i]), float(doc_score[i])) for i in top]
 
 

@@ -8,8 +8,10 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 Mode = Literal["fast", "exact"]
-Aggregation = Literal["cosine_max", "cosine_sum", "raw_max", "raw_sum"]
-AGGREGATIONS: tuple[Aggregation, ...] = ("cosine_max", "cosine_sum", "raw_max", "raw_sum")
+# cosine_match: each target token matched to its best token of the document, the cosines averaged
+# over the target tokens (a multi-token target is matched as a whole, not by its best piece)
+Aggregation = Literal["cosine_max", "cosine_sum", "raw_max", "raw_sum", "cosine_match"]
+AGGREGATIONS: tuple[Aggregation, ...] = ("cosine_max", "cosine_sum", "raw_max", "raw_sum", "cosine_match")
 
 # pydantic reads each attribute's docstring as its description
 _DOCS = {"use_attribute_docstrings": True}

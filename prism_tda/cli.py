@@ -435,7 +435,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="fast: FAISS candidates + exact re-rank; exact: every token sharing a prototype")
     a.add_argument("--opponents", action="store_true", help="documents that most oppose the output")
     a.add_argument("--damping", type=float, help="curvature damping, x the mean eigenvalue (default: the index's)")
-    a.add_argument("--aggregation", default="cosine_max", choices=["cosine_max", "cosine_sum", "raw_max", "raw_sum"],
+    a.add_argument("--aggregation", default="cosine_max", choices=["cosine_max", "cosine_sum", "raw_max", "raw_sum", "cosine_match"],
                    help="how a document's token scores make its score (default: the best token's cosine)")
     a.add_argument("--include-untrained", action="store_true",
                    help="also return documents the checkpoint did not train on (its validation split), marked")

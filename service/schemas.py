@@ -55,7 +55,10 @@ class AttributeRequest(Strict):
                                                                   "eigenvalue (default: the index's).")
     aggregation: Aggregation = Field("cosine_max", description="How a document's token scores make its score: "
                                                                "the best token's cosine (default), the sum of "
-                                                               "cosines, or the best or summed raw influence.")
+                                                               "cosines, the best or summed raw influence, or "
+                                                               "cosine_match: each target token matched to its "
+                                                               "best token of the document, averaged (a "
+                                                               "multi-token target matched as a whole).")
     include_untrained: bool = Field(False, description="Also return documents the checkpoint did not train on "
                                                        "(its validation split); each document says `trained`.")
 

@@ -8,8 +8,9 @@ content plus
   facts and held-out documents, halved per kind at random) choose PRISM's settings; the other
   subsets and queries are reported;
 - PRISM's settings chosen on the tuning split: curvature damping (an exact pass per value), the
-  aggregation (best token or sum, cosine or raw) and how many documents a query returns (the rest
-  score 0, as a served answer); EK-FAC, TRAK and BM25 run as configured in ``baselines.py``;
+  aggregation (best token or sum, cosine or raw, or each target token matched apart) and how many
+  documents a query returns (the rest score 0, as a served answer); EK-FAC, TRAK, Bergson and BM25
+  run as configured in ``baselines.py``;
 - every method's LDS on the reported split with a 95% bootstrap interval over queries and subsets
   (both resampled in each draw), and the paired difference PRISM - EK-FAC on the same draws;
 - the fast path as served with the chosen settings (each query answered alone), and the speed-ups
@@ -33,8 +34,8 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 from _common import finish  # noqa: E402
 
-AGGREGATIONS = ("cosine_max", "cosine_sum", "raw_max", "raw_sum")
-BASELINES = ("ekfac", "trak", "bm25")
+AGGREGATIONS = ("cosine_max", "cosine_sum", "raw_max", "raw_sum", "cosine_match")
+BASELINES = ("ekfac", "trak", "bergson", "bm25")
 
 
 def subset_masks(n_docs: int, n_subsets: int, seed: int) -> np.ndarray:
@@ -98,14 +99,15 @@ def exact_scores_at(work: Path, queries: list[dict], damping: float) -> dict[str
     path = work / f"scores_prism_exact_damping_{damping:g}.npz"
     if path.exists():
         z = np.load(path)
-        return {a: z[a] for a in AGGREGATIONS}
+        if all(a in z for a in AGGREGATIONS):
+            return {a: z[a] for a in AGGREGATIONS}
     from prism_tda.engine import Attributor, QuerySpec
     from prism_tda.engine.exact import exact_document_scores
 
     att = Attributor.open(work / "index")
     enc = [att.encode(QuerySpec(q["prompt"], q["completion"])) for q in queries]
     t0 = time.perf_counter()
-    res = exact_document_scores(att.model, att.reader, enc, att.preconditioner(damping))
+    res = exact_document_scores(att.model, att.reader, enc, att.preconditioner(damping), match=True)
     out = {a: np.stack([r[a] for r in res]).astype(np.float32) for a in AGGREGATIONS}
     np.savez(path, **out)
     print(f"[damping {damping:g}] exact pass {time.perf_counter() - t0:.0f} s", flush=True)
@@ -203,9 +205,13 @@ def main(argv: list[str] | None = None) -> dict:
             d = report.lds(methods[m]) - report.lds(methods["ekfac"])
             out[f"lds_diff_{m.replace('prism_', 'prism_')}_ekfac_ci"] = interval(d, boots[m] - boots["ekfac"])
         out["lds_diff_prism_ekfac_ci"] = out["lds_diff_prism_fast_ekfac_ci"]
-    out["lds_bergson"] = None
-    out["lds_bergson_reason"] = ("not run: see docs/benchmarks.md (Bergson) for what stands in the way on "
-                                 "this machine")
+    if "lds_bergson" not in out:
+        out["lds_bergson"] = None
+        out["lds_bergson_reason"] = "no scores_bergson.npy: run run_eval.py with --methods ...,bergson"
+    else:
+        for m in ("prism_fast",):
+            d = report.lds(methods[m]) - report.lds(methods["bergson"])
+            out["lds_diff_prism_fast_bergson_ci"] = interval(d, boots[m] - boots["bergson"])
     out["prism_settings"] = {"chosen_on_tuning_split": best, "default": default,
                              "fast_returned_documents": fast_k, "fast_seconds_per_query_median": served_s,
                              "table": table}

@@ -258,3 +258,28 @@ def test_ties_are_broken_by_raw_influence(att):
     assert [raw[b] for b, _ in ranked] == [3.0, 2.5, 2.0, 1.0, 0.5, 0.1]
     ranked = rank_documents(att.reader, scores, "cosine_max", opponents=True, n=6)
     assert [raw[b] for b, _ in ranked] == [0.1, 0.5, 1.0, 2.0, 2.5, 3.0]
+
+
+def test_cosine_match_matches_each_target_token_and_averages(att):
+    """A multi-token target is matched as a whole: each target token's best token of a document,
+    averaged; checked against queries of one target token each, scored independently."""
+    spec = QuerySpec("A computer", " is a machine")
+    q = att.encode(spec)
+    assert q.n_targets >= 2
+    whole = att.document_scores(q, mode="exact", match=True)["cosine_match"]
+    pieces = [att.document_scores(att.encode(QuerySpec(spec.prompt, spec.completion, target_index=j)),
+                                  mode="exact")["cosine_max"] for j in range(q.n_targets)]
+    np.testing.assert_allclose(whole, np.mean(pieces, axis=0), rtol=1e-5, atol=1e-7)
+    # the pieces add up to the query: G is the sum of the target tokens' own parts
+    assert torch.allclose(sum(q.target_G(j) for j in range(q.n_targets)), q.G, atol=1e-5)
+    # the exact path ranks by it (trained documents), and the fast path with every candidate re-ranked agrees
+    trained = att.reader.trained(np.arange(att.reader.n_docs))
+    ex = att.attribute(spec, exact(5, aggregation="cosine_match"))
+    top = np.nonzero(trained)[0][np.argsort(-whole[trained], kind="stable")[:5]]
+    assert [d.score for d in ex.documents] == pytest.approx(whole[top].tolist(), rel=1e-5)
+    full = att.attribute(spec, QueryOptions(n_documents=5, n_candidates=100_000, exact_rerank=100_000,
+                                            aggregation="cosine_match"))
+    assert [d.score for d in full.documents] == pytest.approx([d.score for d in ex.documents], rel=1e-4)
+    # and it differs from the best single piece: a document matching one target token only scores lower
+    best_piece = np.max(pieces, axis=0)
+    assert np.all(whole <= best_piece + 1e-6)
