@@ -220,7 +220,8 @@ def cmd_demo(args: argparse.Namespace) -> int:
     print("\nWhich training documents drove ' is a machine' after 'A computer'?")
     rc = cmd_attribute(argparse.Namespace(index=str(out / "index"), prompt="A computer", completion=" is a machine",
                                           max_new_tokens=None, target_index=None, top_k=5, mode="fast",
-                                          opponents=False, damping=None, aggregation="cosine_max", json=False))
+                                          opponents=False, damping=None, aggregation="cosine_max", include_untrained=False,
+                                          json=False))
     if rc or args.no_serve:
         return rc
     print(f"\nServing the demo index on http://127.0.0.1:{args.port} (docs at /docs; Ctrl-C stops)", flush=True)
