@@ -18,7 +18,7 @@ from prism_tda.model import PRISM
 
 from .query import Query
 from .reader import IndexReader
-from .scoring import Preconditioner, _scores, match_cosines, self_influence
+from .scoring import Preconditioner, _scores, best_of_groups, match_cosines, self_influence
 from .tokens import run_batch
 from .types import Aggregation
 
@@ -59,9 +59,7 @@ class DocumentTotals:
         sm = sign * match
         np.maximum.at(self.match_max, (docs[:, None], np.arange(match.shape[1])[None, :]), sm)
         whole = sm.mean(1)
-        order = np.lexsort((-whole, docs))
-        first = np.r_[True, docs[order][1:] != docs[order][:-1]]
-        top = order[first]
+        top = best_of_groups(docs, whole)
         better = whole[top] > self.match_best[docs[top]]
         d = docs[top][better]
         self.match_best[d], self.match_best_tok[d], self.match_best_raw[d] = (
@@ -71,10 +69,7 @@ class DocumentTotals:
         for kind, v, w, companion in (("cosine", cos, raw, "cosine_best_raw"), ("raw", raw, cos, "raw_best_cosine")):
             best, arg = getattr(self, f"{kind}_max"), getattr(self, f"{kind}_best_tok")
             sv = sign * v
-            order = np.lexsort((-(sign * w), -sv, docs))  # by document, best first, ties by the other measure
-            first = np.ones(len(order), dtype=bool)
-            first[1:] = docs[order][1:] != docs[order][:-1]
-            top = order[first]
+            top = best_of_groups(docs, sv, sign * w)  # each document's best, ties by the other measure
             cur = best[docs[top]]
             better = (sv[top] > cur) | ((sv[top] == cur) & (sign * w[top] > sign * getattr(self, companion)[docs[top]]))
             best[docs[top][better]] = sv[top][better]

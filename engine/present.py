@@ -44,5 +44,6 @@ def scored_document(reader: IndexReader, tokenizer: Tokenizer, scores: TokenScor
                     if v != 0), key=lambda d: -d.share)
     doc = int(reader.doc_of_seqs(np.array([seq]))[0])
     return ScoredDocument(rank=rank, doc_id=doc, external_id=reader.external_id(doc), score=score,
-                          raw_influence=float(raw[best]), trained=bool(reader.trained(np.array([doc]))[0]), seq_id=seq, token_row=t_best,
+                          raw_influence=float(raw[best]), trained=bool(reader.trained(np.array([doc]))[0]),
+                          seq_id=seq, token_row=t_best,
                           position=start + t_best - t0, snippet=snippet, highlights=highlights, prototypes=carry)

@@ -45,9 +45,9 @@ class Query:
     per_token: list[TokenView]
     target_text: str
     # each target token's own part of G: its active prototypes, activations and Q^T u_t
-    target_protos: torch.Tensor | None = None  # (n_targets, k)
-    target_acts: torch.Tensor | None = None  # (n_targets, k)
-    target_u: torch.Tensor | None = None  # (n_targets, u_dim)
+    target_protos: torch.Tensor  # (n_targets, k)
+    target_acts: torch.Tensor  # (n_targets, k)
+    target_u: torch.Tensor  # (n_targets, u_dim)
 
     @property
     def n_targets(self) -> int:
@@ -55,7 +55,6 @@ class Query:
 
     def target_G(self, j: int) -> torch.Tensor:
         """Target token ``j``'s part of ``G`` (K, u_dim): the gradient of its loss alone."""
-        assert self.target_protos is not None and self.target_acts is not None and self.target_u is not None
         G = torch.zeros_like(self.G)
         G.index_add_(0, self.target_protos[j], self.target_acts[j, :, None] * self.target_u[j][None, :])
         return G
@@ -132,12 +131,12 @@ class QueryEncoder:
         tb = run_batch(self.model, [inp], [tgt])
         sel = torch.tensor(positions)
         ut = (tb.u[sel] @ self.Q)[:, : self.u_dim]  # (n, u_dim) Q^T u_t of the target tokens
-        a, idx = tb.acts[sel], tb.proto_idx[sel]  # (n, k)
+        a, idx = tb.acts[sel].float(), tb.proto_idx[sel]  # (n, k)
         G = torch.zeros(self.model.cfg.n_prototypes, self.u_dim)
         for j in range(idx.shape[1]):  # k small: one scatter per active slot
             G.index_add_(0, idx[:, j], a[:, j : j + 1] * ut)
         return Query(spec, ids, len(p_ids), positions, targets, G, self._per_token(ids, positions, targets),
-                     self.tokenizer.decode(targets), idx.clone(), a.float().clone(), ut.float().clone())
+                     self.tokenizer.decode(targets), idx, a, ut.float())
 
     def _per_token(self, ids: list[int], positions: list[int], targets: list[int]) -> list[TokenView]:
         d = self.model.decompose(torch.tensor(ids[:-1]), positions=torch.tensor(positions),

@@ -189,6 +189,16 @@ def document_scores(reader: IndexReader, scores: TokenScores) -> dict[Aggregatio
             "raw_max": best(scores.raw), "raw_sum": total(scores.raw)}
 
 
+def best_of_groups(groups: np.ndarray, value: np.ndarray, tie: np.ndarray | None = None) -> np.ndarray:
+    """Positions of each group's element with the highest ``value`` (among equals, the highest
+    ``tie``), one per group, groups ascending."""
+    if len(groups) == 0:
+        return np.zeros(0, dtype=np.int64)
+    order = np.lexsort((-value, groups) if tie is None else (-tie, -value, groups))
+    g = groups[order]
+    return order[np.r_[True, g[1:] != g[:-1]]]
+
+
 def rank_documents(reader: IndexReader, scores: TokenScores, aggregation: Aggregation, *, opponents: bool,
                    n: int) -> list[tuple[int, float]]:
     """The ``n`` best documents as (index into ``scores.tok`` of the document's best token, document
@@ -197,22 +207,16 @@ def rank_documents(reader: IndexReader, scores: TokenScores, aggregation: Aggreg
     if aggregation == "cosine_match":
         return _rank_match(reader, scores, sign, n)
     per_token = scores.cos if aggregation.startswith("cosine") else scores.raw
-    docs = token_docs(reader, scores)
-    order = np.lexsort((-(sign * per_token), docs))  # by document, best token first
-    first = np.ones(len(order), dtype=bool)
-    first[1:] = docs[order][1:] != docs[order][:-1]
-    best = order[first]  # each document's best token
-    if aggregation.endswith("_max"):
-        doc_score = per_token[best]
-    else:
-        _, doc_index = np.unique(docs, return_inverse=True)
-        doc_score = np.bincount(doc_index, weights=per_token)[doc_index[best]]
     # ties (cosines saturate near 1 on common tokens) are broken by the other measure: raw influence
     # for the cosine aggregations, the cosine for the raw ones
     other = scores.raw if aggregation.startswith("cosine") else scores.cos
+    docs = token_docs(reader, scores)
+    best = best_of_groups(docs, sign * per_token, sign * other)  # each document's best token
     if aggregation.endswith("_max"):
-        tie = other[best]
+        doc_score, tie = per_token[best], other[best]
     else:
+        _, doc_index = np.unique(docs, return_inverse=True)
+        doc_score = np.bincount(doc_index, weights=per_token)[doc_index[best]]
         tie = np.bincount(doc_index, weights=other)[doc_index[best]]
     top = np.lexsort((-(sign * tie), -(sign * doc_score)))[:n]
     return [(int(best[i]), float(doc_score[i])) for i in top]
@@ -236,10 +240,7 @@ def _rank_match(reader: IndexReader, scores: TokenScores, sign: float, n: int) -
     docs = token_docs(reader, scores)
     uniq, doc_score = match_documents(docs, scores.match, sign)
     # each document's shown token: the one closest to the whole target (best mean over target tokens)
-    per_token = sign * scores.match.mean(1)
-    order = np.lexsort((-per_token, docs))
-    first = np.r_[True, docs[order][1:] != docs[order][:-1]]
-    best = order[first]  # aligned with uniq (both by ascending document)
+    best = best_of_groups(docs, sign * scores.match.mean(1))  # aligned with uniq (both by ascending document)
     tie = sign * scores.raw[best]
     top = np.lexsort((-tie, -(sign * doc_score)))[:n]
     return [(int(best[i]), float(doc_score[i])) for i in top]

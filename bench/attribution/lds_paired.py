@@ -17,6 +17,7 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from lds_report import top_only  # noqa: E402
 from run_eval import spearman  # noqa: E402
 
 from prism_tda.engine import Attributor, QueryOptions, QuerySpec  # noqa: E402
@@ -52,13 +53,6 @@ def main() -> None:
     def per_query(S: np.ndarray) -> np.ndarray:
         pred = M @ S.T.astype(float)
         return np.array([spearman(pred[:, i], -L[:, i]) for i in sel])
-
-    def top_only(S: np.ndarray, k: int) -> np.ndarray:
-        """Each query's ``k`` best documents keep their scores, the others score 0."""
-        out = np.zeros_like(S)
-        best = np.argsort(-S, axis=1, kind="stable")[:, :k]
-        np.put_along_axis(out, best, np.take_along_axis(S, best, 1), 1)
-        return out
 
     att = Attributor.open(work / "index")
     t0 = time.perf_counter()
