@@ -21,13 +21,14 @@ from __future__ import annotations
 
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from prism_tda.errors import PrismError, QueryError
 from prism_tda.model import checkpoint as ckpt
 
-from .candidates import FirstStages, candidate_sequences
+from .candidates import FirstStages, posting_plan
 from .exact import exhaustive
 from .layout import IndexManifest
 from .present import scored_document
@@ -40,36 +41,38 @@ from .scoring import (
     document_scores,
     exact_scores,
     rank_documents,
-    trained_only,
 )
+from .shards import CallContext, LocalShards, ShardSet
+
+if TYPE_CHECKING:
+    from .cluster import ClusterSpec
 from .types import AGGREGATIONS, Aggregation, Attribution, Mode, QueryOptions, QuerySpec, Timings
-
-
-def _best_tokens_per_sequence(reader: IndexReader, approx: TokenScores, seqs: np.ndarray, m: int,
-                              opponents: bool) -> np.ndarray:
-    """The ``m`` tokens (global rows) of each of ``seqs`` with the best approximate cosines."""
-    tok_seq = reader.seq_of_tokens(approx.tok)
-    keep = np.isin(tok_seq, seqs)
-    tok, seq, cos = approx.tok[keep], tok_seq[keep], approx.cos[keep] * (-1.0 if opponents else 1.0)
-    order = np.lexsort((-cos, seq))  # by sequence, best first
-    first = np.searchsorted(seq[order], seq[order], side="left")
-    return np.sort(tok[order][np.arange(len(order)) - first < m])
 
 
 class Attributor:
     """An index, the checkpoint it was built from, and the queries it answers."""
 
     def __init__(self, index_dir: str | Path, *, checkpoint: str | Path | None = None,
-                 stages: FirstStages | None = None, exact_token_limit: int | None = None) -> None:
+                 stages: FirstStages | None = None, exact_token_limit: int | None = None,
+                 cluster: ClusterSpec | None = None) -> None:
         """``exact_token_limit``: refuse ``mode="exact"`` on indexes with more tokens (it runs the model
-        over all of them)."""
+        over all of them). ``cluster``: hold the shards in Ray actors of that cluster
+        (``engine/cluster.py``) instead of this process."""
         manifest = read_complete_manifest(Path(index_dir))
         self.model, self.tokenizer, ck_config = ckpt.load_checkpoint(checkpoint or manifest.checkpoint)
         self.model.eval()
         if ck_config["files"]["model.safetensors"] != manifest.identity["checkpoint_sha256"]:
             raise PrismError(f"{index_dir}: index was built from another checkpoint than "
                              f"{checkpoint or manifest.checkpoint}")
-        self.reader = IndexReader(index_dir, self.model.W)
+        self.shards: ShardSet
+        if cluster is None:
+            self.reader = IndexReader(index_dir, self.model.W)
+            self.shards = LocalShards(self.reader)
+        else:
+            from .cluster import RayShards, RemoteReader
+
+            ray_shards = RayShards(index_dir, checkpoint or manifest.checkpoint, cluster)
+            self.reader, self.shards = RemoteReader(index_dir, self.model.W, ray_shards), ray_shards
         self.stages = stages or FirstStages()
         self.exact_token_limit = exact_token_limit
         self.encoder = QueryEncoder(self.model, self.tokenizer, self.reader.curv.Q, self.reader.curv.u_dim)
@@ -82,6 +85,14 @@ class Attributor:
     @property
     def manifest(self) -> IndexManifest:
         return self.reader.manifest
+
+    def _local_only(self, what: str) -> None:
+        if not isinstance(self.shards, LocalShards):
+            raise PrismError(f"{what}: reads every shard in this process; open the index without a cluster")
+
+    def close(self) -> None:
+        """Let go of the shard holders (a cluster's actors); the index files stay as they are."""
+        self.shards.close()
 
     def preconditioner(self, damping: float | None = None) -> Preconditioner:
         """The curvature at ``damping`` x the mean eigenvalue (default: the index's)."""
@@ -97,37 +108,52 @@ class Attributor:
         return self.encoder.encode(spec)
 
     def candidate_sequences(self, q: Query, n_candidates: int = 256, damping: float | None = None,
-                            nprobe: int | None = None) -> np.ndarray:
-        """The sequences the fast path's first stages pick for an encoded query."""
-        return candidate_sequences(self.reader, q.G, self.preconditioner(damping), n_candidates, self.stages, nprobe)
+                            nprobe: int | None = None, ctx: CallContext | None = None) -> np.ndarray:
+        """The sequences the fast path's first stages pick for an encoded query: the ``n_candidates``
+        nearest by FAISS, and those of the best tokens of the query's posting lists."""
+        pre = self.preconditioner(damping)
+        seqs = np.zeros(0, np.int64)
+        if n_candidates > 0:
+            seqs = self.shards.search(self.reader.query_embedding(q.G * pre.inv.sqrt()), n_candidates, nprobe, ctx)
+        st = self.stages
+        if st.proto_candidates > 0 and st.token_candidates > 0:
+            plan = posting_plan(self.reader, q.G, pre, st)
+            if plan is not None:
+                seqs = np.concatenate([seqs, self.shards.posting(q.G, pre.damping, plan, st.token_candidates, ctx)])
+        return np.unique(seqs)
 
     def _check_exact(self) -> None:
         if self.exact_token_limit is not None and self.reader.n_tokens > self.exact_token_limit:
             raise QueryError(f"mode: 'exact' runs the model over every training token ({self.reader.n_tokens:,} "
                              f"here, over this server's limit of {self.exact_token_limit:,}); use 'fast'")
 
-    def _fast(self, q: Query, opt: QueryOptions, pre: Preconditioner) -> tuple[TokenScores, int, list]:
+    def _fast(self, q: Query, opt: QueryOptions, pre: Preconditioner,
+              ctx: CallContext | None = None) -> tuple[TokenScores, int, list]:
         t0 = time.perf_counter()
-        seqs = self.candidate_sequences(q, opt.n_candidates, opt.damping, opt.nprobe)
-        if not opt.include_untrained:
-            seqs = trained_only(self.reader, seqs)
+        seqs = self.candidate_sequences(q, opt.n_candidates, opt.damping, opt.nprobe, ctx)
         self._candidates_ms = 1e3 * (time.perf_counter() - t0)
-        approx = approx_scores(self.reader, q.G, pre, self.reader.rows_of_sequences(seqs))
         # the shortlist ranks the approximate scores (cosine_match: by the whole target's best token)
         shortlist_by = "cosine_max" if opt.aggregation == "cosine_match" else opt.aggregation
-        short = rank_documents(self.reader, approx, shortlist_by, opponents=opt.opponents,
-                               n=max(opt.exact_rerank, opt.n_documents))
-        best_seqs = self.reader.seq_of_tokens(approx.tok[[b for b, _ in short]]) if short else np.zeros(0, np.int64)
         m = opt.exact_tokens if opt.aggregation.endswith("_max") else None
-        tokens = None if m is None else _best_tokens_per_sequence(self.reader, approx, best_seqs, m, opt.opponents)
         match = q if opt.aggregation == "cosine_match" else None
+        short = self.shards.shortlist(q.G, pre.damping, seqs, shortlist_by, opponents=opt.opponents,
+                                      n=max(opt.exact_rerank, opt.n_documents), m=m, match=match is not None,
+                                      include_untrained=opt.include_untrained, ctx=ctx)
+        best_seqs = short.best_seq
+        tokens = None if m is None else np.sort(np.concatenate([np.zeros(0, np.int64), *short.tokens]))
         if match is not None and len(best_seqs):
             # a target token's best match can sit in any window of the document: every candidate
             # sequence of the shortlisted documents is re-scored
-            best_seqs = seqs[np.isin(self.reader.doc_of_seqs(seqs), self.reader.doc_of_seqs(best_seqs))]
+            best_seqs = np.unique(np.concatenate(short.match_seqs))
+        self.reader.prefetch(best_seqs, ctx)
+        if ctx is not None and ctx.missing:  # a partial answer: what the missing shards hold is left out
+            gone = np.array(sorted(ctx.missing), dtype=np.int64)
+            best_seqs = best_seqs[~np.isin(np.searchsorted(self.reader.seq_base, best_seqs, side="right") - 1, gone)]
+            if tokens is not None:
+                tokens = tokens[~np.isin(np.searchsorted(self.reader.tok_base, tokens, side="right") - 1, gone)]
         exact = exact_scores(self.model, self.reader, q.G, pre, best_seqs, tokens=tokens, match=match)
         ranked = rank_documents(self.reader, exact, opt.aggregation, opponents=opt.opponents, n=opt.n_documents)
-        return exact, len(approx.tok), ranked
+        return exact, short.n_scored, ranked
 
     def _exhaustive(self, q: Query, opt: QueryOptions, pre: Preconditioner) -> tuple[TokenScores, int, list]:
         self._check_exact()
@@ -159,14 +185,19 @@ class Attributor:
         q = self.encode(spec)
         t1 = time.perf_counter()
         self._candidates_ms = 0.0
-        scores, n_scored, ranked = (self._fast if opt.mode == "fast" else self._exhaustive)(q, opt, pre)
+        ctx = CallContext(partial=opt.allow_partial)
+        if opt.mode == "fast":
+            scores, n_scored, ranked = self._fast(q, opt, pre, ctx)
+        else:
+            scores, n_scored, ranked = self._exhaustive(q, opt, pre)
         t3 = time.perf_counter()
         docs = [scored_document(self.reader, self.tokenizer, scores, best, score, rank, opponents=opt.opponents)
                 for rank, (best, score) in enumerate(ranked, 1)]
         t4 = time.perf_counter()
         cand = self._candidates_ms
         ms = Timings(1e3 * (t1 - t0), cand, 1e3 * (t3 - t1) - cand, 1e3 * (t4 - t3), 1e3 * (t4 - t0))
-        return Attribution(opt.mode, opt.aggregation, pre.damping, q.info(), docs, q.per_token, ms, int(n_scored))
+        return Attribution(opt.mode, opt.aggregation, pre.damping, q.info(), docs, q.per_token, ms, int(n_scored),
+                           sorted(ctx.missing))
 
     def document_scores(self, q: Query, mode: Mode = "exact", n_candidates: int = 256,
                         damping: float | None = None, exact_rerank: int = 32,
@@ -180,6 +211,7 @@ class Attributor:
             return exhaustive(self.model, self.reader, [q], pre, match=match)[0].scores(1.0)
         opt = QueryOptions(n_candidates=n_candidates, damping=damping, exact_rerank=exact_rerank,
                            include_untrained=True)  # every document: the caller decides which count
+        self._local_only("document_scores")
         seqs = self.candidate_sequences(q, n_candidates, damping)
         out = document_scores(self.reader, approx_scores(self.reader, q.G, pre, self.reader.rows_of_sequences(seqs)))
         exact, _, _ = self._fast(q, opt, pre)

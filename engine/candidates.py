@@ -35,13 +35,25 @@ class FirstStages:
     row_budget: int = 1 << 15  # posting entries read at most, over every shard
 
 
-def posting_tokens(reader: IndexReader, G: torch.Tensor, pre: Preconditioner, stages: FirstStages) -> np.ndarray:
-    """The posting-list entries (global token rows) the token stage reads for one query."""
+@dataclass(frozen=True)
+class PostingPlan:
+    """Which posting lists one query reads, decided from the lists' sizes over the whole index before
+    anything is read: ``lists`` best first, the first ``n_full`` whole; of the last (when
+    ``len(lists) > n_full``) each shard reads the strongest ``room / last_total`` of its part."""
+
+    lists: np.ndarray  # (L,) (prototype, cell) list ids
+    n_full: int
+    room: int
+    last_total: int
+
+
+def posting_plan(reader: IndexReader, G: torch.Tensor, pre: Preconditioner, stages: FirstStages) -> PostingPlan | None:
+    """The lists the token stage reads for one query (None: none), from the index-wide parts only."""
     weight = (G * G * pre.inv).sum(1)  # each prototype's part of I(q, q)
     heavy = torch.argsort(weight, descending=True)[: stages.proto_candidates]
     heavy = heavy[weight[heavy] > 0]
-    if len(heavy) == 0 or not reader.shards:
-        return np.zeros(0, np.int64)
+    if len(heavy) == 0 or not len(reader.manifest.shards):
+        return None
     # the query's direction for each heavy prototype, in the space the cells live in
     dirs = (G[heavy] * pre.inv[heavy]).float() / reader.calib.codec_scale
     dirs = dirs / dirs.norm(dim=1, keepdim=True).clamp_min(1e-12)
@@ -50,23 +62,48 @@ def posting_tokens(reader: IndexReader, G: torch.Tensor, pre: Preconditioner, st
     groups = (heavy.numpy()[:, None] * C + np.arange(C)[None, :]).reshape(-1)  # (P * C,) list ids
     ranked = groups[np.argsort(-priority.reshape(-1), kind="stable")]
     # lists best first, as many as the budget holds: their lengths over the whole index are known
-    # before anything is read (``reader.list_sizes``); then each shard's part of the chosen lists
+    # before anything is read (``reader.list_sizes``)
     total = reader.list_sizes[ranked]
     upto = np.cumsum(total)
     n_full = int(np.searchsorted(upto, stages.row_budget, side="right"))  # lists read whole
     room = stages.row_budget - (int(upto[n_full - 1]) if n_full else 0)
     g = ranked[: n_full + (1 if n_full < len(ranked) and room > 0 else 0)]
-    take = np.stack([sh.post_offsets[g + 1].astype(np.int64) - sh.post_offsets[g] for sh in reader.shards])
-    if len(g) > n_full:  # the last list: the strongest entries of each shard's part, in proportion
-        take[:, -1] = np.floor(take[:, -1] * room / max(int(total[n_full]), 1)).astype(np.int64)
+    return PostingPlan(g, n_full, room, int(total[n_full]) if len(g) > n_full else 0)
+
+
+def read_postings(reader: IndexReader, plan: PostingPlan | None) -> np.ndarray:
+    """The entries (global token rows, ascending) of the planned lists in the reader's open shards."""
+    if plan is None or not reader.shards:
+        return np.zeros(0, np.int64)
+    g, n_full = plan.lists, plan.n_full
     parts = []
-    for s, sh in enumerate(reader.shards):
-        live = take[s] > 0
+    for s, sh in reader.held_shards():
+        take = sh.post_offsets[g + 1].astype(np.int64) - sh.post_offsets[g]
+        if len(g) > n_full:  # the last list: the strongest entries of each shard's part, in proportion
+            take[-1] = int(np.floor(take[-1] * plan.room / max(plan.last_total, 1)))
+        live = take > 0
         if live.any():
             start = sh.post_offsets[g[live]].astype(np.int64)
-            idx = ranges(start, start + take[s, live])
+            idx = ranges(start, start + take[live])
             parts.append(reader.tok_base[s] + sh.post_tokens[idx].astype(np.int64))
     return np.unique(np.concatenate(parts)) if parts else np.zeros(0, np.int64)
+
+
+def posting_tokens(reader: IndexReader, G: torch.Tensor, pre: Preconditioner, stages: FirstStages) -> np.ndarray:
+    """The posting-list entries (global token rows) the token stage reads for one query."""
+    return read_postings(reader, posting_plan(reader, G, pre, stages))
+
+
+def best_posting_tokens(reader: IndexReader, G: torch.Tensor, pre: Preconditioner, plan: PostingPlan | None,
+                        n: int) -> tuple[np.ndarray, np.ndarray]:
+    """(rows, approximate cosines) of the ``n`` best-scoring tokens of the planned lists in the open
+    shards, best first (equal cosines: lower row first, so parts read apart merge into one answer)."""
+    tok = read_postings(reader, plan)
+    if not len(tok):
+        return tok, np.zeros(0)
+    s = approx_scores(reader, G, pre, tok)
+    top = np.lexsort((s.tok, -s.cos))[:n]
+    return s.tok[top], s.cos[top]
 
 
 def candidate_sequences(reader: IndexReader, G: torch.Tensor, pre: Preconditioner, n_candidates: int,
@@ -74,9 +111,7 @@ def candidate_sequences(reader: IndexReader, G: torch.Tensor, pre: Preconditione
     """The fast path's candidate sequences (global ids) for one query."""
     seqs = reader.search(G * pre.inv.sqrt(), n_candidates, nprobe) if n_candidates > 0 else np.zeros(0, np.int64)
     if stages.proto_candidates > 0 and stages.token_candidates > 0:
-        tok = posting_tokens(reader, G, pre, stages)
-        if len(tok):
-            s = approx_scores(reader, G, pre, tok)
-            best = s.tok[np.argsort(-s.cos, kind="stable")[: stages.token_candidates]]
+        best, _ = best_posting_tokens(reader, G, pre, posting_plan(reader, G, pre, stages), stages.token_candidates)
+        if len(best):
             seqs = np.concatenate([seqs, reader.seq_of_tokens(best)])
     return np.unique(seqs)

@@ -12,6 +12,7 @@ import functools
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pyarrow.parquet as pq
@@ -108,8 +109,12 @@ class TokenData:
 
 
 class IndexReader:
-    def __init__(self, index_dir: str | Path, W: torch.Tensor) -> None:
-        """``W``: the model's unembedding (the token vectors' exact part, ``engine/codec.py``)."""
+    def __init__(self, index_dir: str | Path, W: torch.Tensor, shards: list[int] | None = None) -> None:
+        """``W``: the model's unembedding (the token vectors' exact part, ``engine/codec.py``).
+        ``shards``: the positions (in the manifest's order) of the shards this reader opens (default:
+        all). Ids stay global whichever are open; reading a shard that is not open is an error. A
+        reader with no shard open holds only the index-wide parts (calibration, sketch, list sizes):
+        what a coordinator needs to plan a query whose shards other processes hold."""
         t0 = time.perf_counter()
         self.dir = Path(index_dir)
         self.manifest = read_complete_manifest(self.dir)
@@ -122,22 +127,37 @@ class IndexReader:
         self.sketch = Sketch(self.n_prototypes, self.curv.u_dim, self.cfg.embed_dim, self.cfg.sketch_buckets,
                              self.cfg.seed)
         self.n_cells = self.calib.cells.shape[0]
-        self.shards = [Shard(layout.shard_dir(self.dir, s.unit), s) for s in self.manifest.shards]
-        counts = np.array([[s.n_tokens, s.n_seqs, s.n_docs] for s in self.manifest.shards], dtype=np.int64)
-        bases = np.zeros((len(self.shards) + 1, 3), dtype=np.int64)
+        infos = self.manifest.shards
+        self.held = list(range(len(infos))) if shards is None else sorted(set(shards))
+        if any(not 0 <= s < len(infos) for s in self.held):
+            raise PrismError(f"{self.dir}: shard positions {self.held} out of range (the index has {len(infos)})")
+        self.shards = [Shard(layout.shard_dir(self.dir, infos[s].unit), infos[s]) for s in self.held]
+        self._at = {s: sh for s, sh in zip(self.held, self.shards, strict=True)}
+        counts = np.array([[s.n_tokens, s.n_seqs, s.n_docs] for s in infos], dtype=np.int64).reshape(-1, 3)
+        bases = np.zeros((len(infos) + 1, 3), dtype=np.int64)
         np.cumsum(counts, axis=0, out=bases[1:])
         self.tok_base, self.seq_base, self.doc_base = bases[:, 0], bases[:, 1], bases[:, 2]
         self.n_tokens, self.n_seqs, self.n_docs = (int(x) for x in bases[-1])
         self.nprobe = self.manifest.calibration.faiss_nprobe if self.manifest.calibration else 1
         self.shard_of_unit = np.zeros(max((s.unit for s in self.manifest.shards), default=0) + 1, dtype=np.int64)
-        self.shard_of_unit[[s.unit for s in self.manifest.shards]] = np.arange(len(self.shards))
+        self.shard_of_unit[[s.unit for s in self.manifest.shards]] = np.arange(len(self.manifest.shards))
         self.stacked = self._stack_ivf()
-        self.list_sizes = self._list_sizes()
         # decoded document row groups, the most recent few over every shard (bounded memory)
         self._doc_group = functools.lru_cache(maxsize=DOC_GROUPS_CACHED)(
-            lambda s, g: self.shards[s].doc_group(g))
+            lambda s, g: self.shard(s).doc_group(g))
         self.k = int(self.manifest.model.get("n_active", self.manifest.model.get("top_k", 8)))
         self.load_seconds = time.perf_counter() - t0
+
+    def shard(self, s: int) -> Shard:
+        """The open shard at position ``s``."""
+        sh = self._at.get(int(s))
+        if sh is None:
+            raise PrismError(f"{self.dir}: shard {s} is not open in this process (open: {self.held})")
+        return sh
+
+    def held_shards(self) -> list[tuple[int, Shard]]:
+        """(position, shard) of every open shard, in order."""
+        return list(zip(self.held, self.shards, strict=True))
 
     @property
     def n_prototypes(self) -> int:
@@ -164,7 +184,7 @@ class IndexReader:
         self_inf = np.zeros(n, dtype=np.float64)
         targets = np.zeros(n, dtype=np.int64)
         for s, at, local in self._split(tok, self.tok_base):
-            sh = self.shards[s]
+            sh = self.shard(s)
             p = sh.protos[local].astype(np.int64)
             protos[at] = p
             acts[at] = self.act_table[p, sh.acts[local]]
@@ -176,37 +196,41 @@ class IndexReader:
         """The packed codes (n, code_bytes) of the tokens ``tok``."""
         codes = np.zeros((len(tok), self.codec.code_bytes), dtype=np.uint8)
         for s, at, local in self._split(tok, self.tok_base):
-            codes[at] = self.shards[s].codes[local]
+            codes[at] = self.shard(s).codes[local]
         return codes
 
     def token_vectors(self, tok: np.ndarray, targets: np.ndarray) -> torch.Tensor:
         """Approximate ``Q^T u_t`` (n, d) of the tokens ``tok`` from their stored codes."""
         return self.codec.decode(self.token_codes(tok), targets)
 
+    def prefetch(self, seqs: np.ndarray, ctx: Any = None) -> None:
+        """Say which sequences are read next (a reader of shards held elsewhere fetches them at once;
+        this one reads its memory maps when asked)."""
+
     def seq_of_tokens(self, tok: np.ndarray) -> np.ndarray:
         out = np.zeros(len(tok), dtype=np.int64)
         for s, at, local in self._split(tok, self.tok_base):
-            out[at] = self.seq_base[s] + np.searchsorted(self.shards[s].seq_tok0, local, side="right") - 1
+            out[at] = self.seq_base[s] + np.searchsorted(self.shard(s).seq_tok0, local, side="right") - 1
         return out
 
     def doc_of_seqs(self, seqs: np.ndarray) -> np.ndarray:
         out = np.zeros(len(seqs), dtype=np.int64)
         for s, at, local in self._split(seqs, self.seq_base):
-            out[at] = self.doc_base[s] + self.shards[s].seq_doc[local]
+            out[at] = self.doc_base[s] + self.shard(s).seq_doc[local]
         return out
 
     def trained(self, docs: np.ndarray) -> np.ndarray:
         """Whether the checkpoint trained on each of the global document ids ``docs``."""
         out = np.ones(len(docs), dtype=bool)
         for s, at, local in self._split(np.asarray(docs, np.int64), self.doc_base):
-            out[at] = self.shards[s].trained[local]
+            out[at] = self.shard(s).trained[local]
         return out
 
     def seq_span(self, seq: int) -> tuple[int, int, int]:
         """(first global token row, end row, start position in its document) of one sequence."""
         s = int(np.searchsorted(self.seq_base, seq, side="right") - 1)
         local = seq - self.seq_base[s]
-        sh = self.shards[s]
+        sh = self.shard(s)
         base = int(self.tok_base[s])
         return base + int(sh.seq_tok0[local]), base + int(sh.seq_tok0[local + 1]), int(sh.seq_start[local])
 
@@ -214,7 +238,7 @@ class IndexReader:
         """Global token rows of the given sequences."""
         parts = []
         for s, _, local in self._split(np.sort(seqs), self.seq_base):
-            t0 = self.shards[s].seq_tok0
+            t0 = self.shard(s).seq_tok0
             parts.append(self.tok_base[s] + ranges(t0[local], t0[local + 1]))
         return np.concatenate(parts) if parts else np.zeros(0, np.int64)
 
@@ -223,10 +247,20 @@ class IndexReader:
         lo, hi, _ = self.seq_span(seq)
         s = int(np.searchsorted(self.tok_base, lo, side="right") - 1)
         local = np.arange(lo, hi) - self.tok_base[s]
-        sh = self.shards[s]
+        sh = self.shard(s)
         return sh.tokens[local].astype(np.int64).tolist(), sh.targets(local).tolist()
 
     # --------------------------------------------------------------------------- first stages
+    @functools.cached_property
+    def list_sizes(self) -> np.ndarray:
+        """(K * cells,) entries of each (prototype, cell) posting list over every shard (read on first use)."""
+        return self._list_sizes()
+
+    def open_list_sizes(self) -> np.ndarray:
+        """(K * cells,) entries of each posting list in the open shards."""
+        return layout.posting_list_sizes([sh.post_offsets for sh in self.shards],
+                                         len(self.calib.curvature.lam) * self.n_cells)
+
     def _list_sizes(self) -> np.ndarray:
         """(K * cells,) entries of each (prototype, cell) posting list over every shard: the reduce
         writes them (``post_sizes.npy``); an index without the file sums its shards' offsets."""
@@ -234,9 +268,13 @@ class IndexReader:
         n = len(self.calib.curvature.lam) * self.n_cells
         if path.is_file():
             sizes = np.load(path)
-            if len(sizes) == n and int(sizes.sum()) == sum(len(sh.post_tokens) for sh in self.shards):
+            all_open = len(self.shards) == len(self.manifest.shards)
+            if len(sizes) == n and (not all_open or int(sizes.sum()) == sum(len(sh.post_tokens) for sh in self.shards)):
                 return sizes
-        return layout.posting_list_sizes([sh.post_offsets for sh in self.shards], n)
+        if len(self.shards) < len(self.manifest.shards):
+            raise PrismError(f"{path}: missing or stale; a reader of part of the index needs it (run "
+                             f"`prism index` again to rewrite it)")
+        return self.open_list_sizes()
 
     def _stack_ivf(self):
         """The shards' IVF parts as one index: they share the trained template, so their inverted lists
@@ -261,19 +299,29 @@ class IndexReader:
         self._faiss_keep = (parts, lists, stacked)  # the stacked lists point into these
         return merged
 
+    def query_embedding(self, G_pre: torch.Tensor) -> np.ndarray:
+        """(1, D) the normalised sketch embedding of the preconditioned query columns ``G_pre`` (K, d)."""
+        K = G_pre.shape[0]
+        return normalise(self.sketch.embed_rows(torch.zeros(K, dtype=torch.long), torch.arange(K), G_pre, 1).numpy())
+
     def search(self, G_pre: torch.Tensor, n: int, nprobe: int | None = None) -> np.ndarray:
         """The ``n`` sequences nearest to the preconditioned query columns ``G_pre`` (K, d) by the cosine
-        of their sketch embeddings, over every shard's FAISS part."""
+        of their sketch embeddings, over every open shard's FAISS part."""
+        return self.search_embedding(self.query_embedding(G_pre), n, nprobe)[1]
+
+    def search_embedding(self, e: np.ndarray, n: int, nprobe: int | None = None) -> tuple[np.ndarray, np.ndarray]:
+        """(similarities, global sequence ids) of the ``n`` sequences nearest to the query embedding
+        ``e``, best first (equal similarities: lower id first, so parts searched apart merge into the
+        same answer)."""
         import faiss
 
-        K = G_pre.shape[0]
-        e = normalise(self.sketch.embed_rows(torch.zeros(K, dtype=torch.long), torch.arange(K), G_pre, 1).numpy())
         ivf_params = faiss.SearchParametersIVF(nprobe=nprobe or self.nprobe)  # type: ignore[call-arg]
         if self.stacked is not None:
             params = (ivf_params if isinstance(self.stacked, faiss.IndexIVF)
                       else faiss.SearchParametersPreTransform(index_params=ivf_params))  # type: ignore[call-arg]
-            _, i = self.stacked.search(e, min(n, max(self.stacked.ntotal, 1)), params=params)
-            ids = i[0][i[0] >= 0]
+            d, i = self.stacked.search(e, min(n, max(self.stacked.ntotal, 1)), params=params)
+            ok = i[0] >= 0
+            sc, ids = d[0][ok], i[0][ok]
         else:
             scores, found = [], []
             for sh in self.shards:
@@ -285,17 +333,18 @@ class IndexReader:
                 scores.append(d[0][ok])
                 found.append(i[0][ok])
             if not found:
-                return np.zeros(0, np.int64)
+                return np.zeros(0, np.float32), np.zeros(0, np.int64)
             sc, ids = np.concatenate(scores), np.concatenate(found)
-            ids = ids[np.argsort(-sc, kind="stable")[:n]]
         unit, local = layout.split_faiss_ids(ids)
-        return self.seq_base[self.shard_of_unit[unit]] + local
+        seqs = self.seq_base[self.shard_of_unit[unit]] + local
+        top = np.lexsort((seqs, -sc))[:n]
+        return sc[top], seqs[top]
 
     def top_contexts(self, proto: int, n: int) -> list[tuple[int, float]]:
         """The ``n`` training tokens (global row, activation) that activate ``proto`` most, over every
         shard (each shard keeps its top tokens per prototype)."""
         rows, acts = [], []
-        for s, sh in enumerate(self.shards):
+        for s, sh in self.held_shards():
             local = sh.proto_top[proto]
             local = local[local >= 0]
             if len(local):
@@ -311,10 +360,10 @@ class IndexReader:
     # --------------------------------------------------------------------------- documents
     def document(self, doc: int) -> dict:
         s = int(np.searchsorted(self.doc_base, doc, side="right") - 1)
-        if not 0 <= s < len(self.shards) or doc >= self.n_docs:
+        if not 0 <= s < len(self.manifest.shards) or doc >= self.n_docs:
             raise KeyError(doc)
         local = int(doc - self.doc_base[s])
-        rows = self.shards[s].group_rows
+        rows = self.shard(s).group_rows
         group = self._doc_group(s, local // rows)
         rec = {k: v[local % rows] for k, v in group.items()}
         rec["doc_id"] = int(doc)

@@ -203,7 +203,15 @@ def rank_documents(reader: IndexReader, scores: TokenScores, aggregation: Aggreg
                    n: int) -> list[tuple[int, float]]:
     """The ``n`` best documents as (index into ``scores.tok`` of the document's best token, document
     score), best first; with ``opponents``, the most negative."""
-    sign = -1.0 if opponents else 1.0
+    best, score, _ = ranked_documents(reader, scores, aggregation, sign=-1.0 if opponents else 1.0, n=n)
+    return [(int(b), float(s)) for b, s in zip(best, score, strict=True)]
+
+
+def ranked_documents(reader: IndexReader, scores: TokenScores, aggregation: Aggregation, *, sign: float,
+                     n: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(index into ``scores.tok`` of each document's best token, document score, tie-break measure) of
+    the ``n`` best documents, best first: by ``sign * score``, then ``sign * tie``, then the lower
+    document id (the order parts ranked apart merge by, ``engine/shards.py``)."""
     if aggregation == "cosine_match":
         return _rank_match(reader, scores, sign, n)
     per_token = scores.cos if aggregation.startswith("cosine") else scores.raw
@@ -219,7 +227,7 @@ def rank_documents(reader: IndexReader, scores: TokenScores, aggregation: Aggreg
         doc_score = np.bincount(doc_index, weights=per_token)[doc_index[best]]
         tie = np.bincount(doc_index, weights=other)[doc_index[best]]
     top = np.lexsort((-(sign * tie), -(sign * doc_score)))[:n]
-    return [(int(best[i]), float(doc_score[i])) for i in top]
+    return best[top], np.asarray(doc_score[top], np.float64), np.asarray(tie[top], np.float64)
 
 
 def match_documents(docs: np.ndarray, match: np.ndarray, sign: float) -> tuple[np.ndarray, np.ndarray]:
@@ -232,18 +240,19 @@ def match_documents(docs: np.ndarray, match: np.ndarray, sign: float) -> tuple[n
     return d[starts], sign * best.mean(1)
 
 
-def _rank_match(reader: IndexReader, scores: TokenScores, sign: float, n: int) -> list[tuple[int, float]]:
+def _rank_match(reader: IndexReader, scores: TokenScores, sign: float,
+                n: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     if scores.match is None:
         raise ValueError("cosine_match needs the target tokens' cosines (TokenScores.match)")
     if len(scores.tok) == 0:
-        return []
+        return np.zeros(0, np.int64), np.zeros(0), np.zeros(0)
     docs = token_docs(reader, scores)
     uniq, doc_score = match_documents(docs, scores.match, sign)
     # each document's shown token: the one closest to the whole target (best mean over target tokens)
     best = best_of_groups(docs, sign * scores.match.mean(1))  # aligned with uniq (both by ascending document)
-    tie = sign * scores.raw[best]
-    top = np.lexsort((-tie, -(sign * doc_score)))[:n]
-    return [(int(best[i]), float(doc_score[i])) for i in top]
+    raw = scores.raw[best]
+    top = np.lexsort((-(sign * raw), -(sign * doc_score)))[:n]
+    return best[top], np.asarray(doc_score[top], np.float64), np.asarray(raw[top], np.float64)
 
 
 def trained_only(reader: IndexReader, seqs: np.ndarray) -> np.ndarray:

@@ -46,6 +46,9 @@ class QueryOptions:
     # documents the checkpoint did not train on (its validation split) are left out unless asked for;
     # every returned document says whether it was trained on
     include_untrained: bool = False
+    # served from a cluster: answer from the shards that answer when some do not (and say which are
+    # missing) instead of failing the query
+    allow_partial: bool = False
 
 
 @dataclass
@@ -179,3 +182,11 @@ class Attribution:
     timings_ms: Timings
     tokens_scored: int
     """Training tokens scored (fast: the candidates' tokens, approximately; exact: every token)."""
+    missing_shards: list[int] = field(default_factory=list)
+    """Shards that did not answer (only when the query allowed a partial answer; then the documents
+    are the best of the other shards)."""
+
+    @property
+    def partial(self) -> bool:
+        """Whether some shards did not answer."""
+        return bool(self.missing_shards)

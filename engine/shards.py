@@ -1,0 +1,274 @@
+"""The shard side of a query, and how parts answered apart merge into the one-process answer.
+
+A fast-path query (``engine/attributor.py``) has two parts. The **coordinator** holds the model:
+it encodes the query (one forward pass), plans the posting-list reads from the index-wide list
+sizes, re-ranks the shortlisted documents exactly and presents them. The **shard side** holds the
+per-token data: it searches its FAISS parts, reads and scores its posting lists, scores its
+candidate sequences from the compressed values and shortlists its documents. A
+:class:`ShardWorker` is that side for the shards one process has open: every shard in the
+single-process server, some of them in each Ray actor of a cluster (``engine/cluster.py``).
+
+Each step's parts merge by the same total order the one-process code ranks by (best score first,
+then the tie-break measure, then the lower id), and every part returns at least as many items as
+the merged answer keeps, so the merged answer is the one-process answer: the same documents with
+the same scores. (The one exception is FAISS's own order among exactly equal similarities inside
+one IVF search, which the merge cannot see.)
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Protocol
+
+import numpy as np
+import torch
+
+from .candidates import PostingPlan, best_posting_tokens
+from .reader import IndexReader
+from .scoring import Preconditioner, approx_scores, ranked_documents, trained_only
+from .types import Aggregation
+
+
+@dataclass
+class Shortlist:
+    """The best documents of some shards by their approximate scores, best first, with what the
+    exact re-rank of each needs."""
+
+    doc: np.ndarray  # (n,) global document ids
+    score: np.ndarray  # (n,) document score (signed as ranked: see ``sign``)
+    tie: np.ndarray  # (n,) the measure that breaks equal scores
+    best_seq: np.ndarray  # (n,) the sequence of the document's best token
+    tokens: list[np.ndarray]  # per document: its best sequence's rows to re-score (empty: all of them)
+    match_seqs: list[np.ndarray]  # per document: every candidate sequence of it (cosine_match), else empty
+    n_scored: int = 0  # tokens scored approximately
+
+    def order_key(self, sign: float) -> tuple[np.ndarray, ...]:
+        """The keys of ``np.lexsort`` that rank these documents best first."""
+        return (self.doc, -(sign * self.tie), -(sign * self.score))
+
+
+def merge_shortlists(parts: list[Shortlist], n: int, sign: float) -> Shortlist:
+    """The ``n`` best documents over parts scored apart, in the order one process ranks them."""
+    n_scored = sum(p.n_scored for p in parts)
+    parts = [p for p in parts if len(p.doc)]
+    if not parts:
+        return Shortlist(np.zeros(0, np.int64), np.zeros(0), np.zeros(0), np.zeros(0, np.int64), [], [], n_scored)
+    cat = Shortlist(np.concatenate([p.doc for p in parts]), np.concatenate([p.score for p in parts]),
+                    np.concatenate([p.tie for p in parts]), np.concatenate([p.best_seq for p in parts]),
+                    [t for p in parts for t in p.tokens], [s for p in parts for s in p.match_seqs])
+    top = np.lexsort(cat.order_key(sign))[:n]
+    return Shortlist(cat.doc[top], cat.score[top], cat.tie[top], cat.best_seq[top], [cat.tokens[i] for i in top],
+                     [cat.match_seqs[i] for i in top], n_scored)
+
+
+def merge_search(parts: list[tuple[np.ndarray, np.ndarray]], n: int) -> np.ndarray:
+    """The ``n`` sequences of the highest similarity over FAISS parts searched apart."""
+    parts = [p for p in parts if len(p[1])]
+    if not parts:
+        return np.zeros(0, np.int64)
+    sc, seqs = np.concatenate([p[0] for p in parts]), np.concatenate([p[1] for p in parts])
+    return seqs[np.lexsort((seqs, -sc))[:n]]
+
+
+def merge_best_tokens(parts: list[tuple[np.ndarray, np.ndarray, np.ndarray]], n: int) -> np.ndarray:
+    """The sequences of the ``n`` best-scoring posting tokens over parts read apart (each part:
+    rows, cosines, sequences)."""
+    parts = [p for p in parts if len(p[0])]
+    if not parts:
+        return np.zeros(0, np.int64)
+    tok, cos, seq = (np.concatenate([p[i] for p in parts]) for i in range(3))
+    return seq[np.lexsort((tok, -cos))[:n]]
+
+
+@dataclass
+class Sequences:
+    """What the coordinator reads of some sequences and their documents: enough to re-score them with
+    the model and to present them, without opening their shards."""
+
+    seq: np.ndarray  # (n,) global sequence ids
+    first: np.ndarray  # (n,) first global token row
+    end: np.ndarray  # (n,) end row
+    start: np.ndarray  # (n,) start position in the document
+    doc: np.ndarray  # (n,) global document id
+    tokens: list[np.ndarray]  # per sequence: input token ids
+    targets: list[np.ndarray]  # per sequence: the token each position predicts
+    doc_ids: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))  # documents described below
+    external_id: list[str] = field(default_factory=list)
+    trained: np.ndarray = field(default_factory=lambda: np.zeros(0, bool))
+
+
+@dataclass
+class CallContext:
+    """One query's dealings with the shard holders: whether a partial answer is allowed, and the
+    shards that did not answer (then)."""
+
+    partial: bool = False
+    missing: set[int] = field(default_factory=set)
+
+
+@dataclass
+class CallStats:
+    """One shard-side call: when it started (epoch seconds), how long it ran, and the rows it scored."""
+
+    method: str
+    started: float
+    seconds: float
+    rows: int
+
+
+class ShardWorker:
+    """The shard side of queries over the shards that one process opens."""
+
+    def __init__(self, index_dir: str | Path, W: torch.Tensor, shards: list[int] | None = None, *,
+                 reader: IndexReader | None = None) -> None:
+        self.reader = reader if reader is not None else IndexReader(index_dir, W, shards)
+        self._pre: dict[float, Preconditioner] = {}
+        self.last: CallStats | None = None
+
+    @property
+    def held(self) -> list[int]:
+        return list(self.reader.held)
+
+    def preconditioner(self, damping: float) -> Preconditioner:
+        if damping not in self._pre:
+            self._pre[damping] = Preconditioner(damping, self.reader.inv(damping), damping == self.reader.cfg.damping)
+        return self._pre[damping]
+
+    def _done(self, method: str, t0: float, started: float, rows: int) -> None:
+        self.last = CallStats(method, started, time.perf_counter() - t0, rows)
+
+    # ------------------------------------------------------------------------ first stages
+    def search(self, e: np.ndarray, n: int, nprobe: int | None) -> tuple[np.ndarray, np.ndarray]:
+        t0, started = time.perf_counter(), time.time()
+        out = self.reader.search_embedding(e, n, nprobe)
+        self._done("search", t0, started, 0)
+        return out
+
+    def posting(self, G: torch.Tensor, damping: float, plan: PostingPlan | None,
+                n: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(rows, approximate cosines, sequences) of the ``n`` best tokens of the planned lists here."""
+        t0, started = time.perf_counter(), time.time()
+        tok, cos = best_posting_tokens(self.reader, G, self.preconditioner(damping), plan, n)
+        self._done("posting", t0, started, len(tok))
+        return tok, cos, self.reader.seq_of_tokens(tok)
+
+    # ------------------------------------------------------------------------ shortlist
+    def shortlist(self, G: torch.Tensor, damping: float, seqs: np.ndarray, aggregation: Aggregation, *,
+                  opponents: bool, n: int, m: int | None, match: bool, include_untrained: bool) -> Shortlist:
+        """The ``n`` best documents among the candidate sequences ``seqs`` (all in this worker's
+        shards) by their approximate scores under ``aggregation``; for each, the rows of its best
+        sequence to re-score exactly (the ``m`` best by approximate cosine; None: all) and, with
+        ``match``, every candidate sequence of it."""
+        t0, started = time.perf_counter(), time.time()
+        reader = self.reader
+        seqs = np.unique(np.asarray(seqs, np.int64))
+        if not include_untrained:
+            seqs = trained_only(reader, seqs)
+        approx = approx_scores(reader, G, self.preconditioner(damping), reader.rows_of_sequences(seqs))
+        sign = -1.0 if opponents else 1.0
+        best, score, tie = ranked_documents(reader, approx, aggregation, sign=sign, n=n)
+        best_seq = reader.seq_of_tokens(approx.tok[best]) if len(best) else np.zeros(0, np.int64)
+        docs = reader.doc_of_seqs(best_seq)
+        tokens: list[np.ndarray] = []
+        if m is not None and len(best_seq):
+            tok_seq = reader.seq_of_tokens(approx.tok)
+            for s in best_seq:
+                at = np.nonzero(tok_seq == s)[0]
+                at = at[np.lexsort((approx.tok[at], -(sign * approx.cos[at])))[:m]]
+                tokens.append(np.sort(approx.tok[at]))
+        else:
+            tokens = [np.zeros(0, np.int64) for _ in best_seq]
+        match_seqs = [np.zeros(0, np.int64) for _ in best_seq]
+        if match and len(best_seq):
+            seq_docs = reader.doc_of_seqs(seqs)
+            match_seqs = [seqs[seq_docs == d] for d in docs]
+        self._done("shortlist", t0, started, len(approx.tok))
+        return Shortlist(docs, score, tie, best_seq, tokens, match_seqs, len(approx.tok))
+
+    # ------------------------------------------------------------------------ reads
+    def sequences(self, seqs: np.ndarray) -> Sequences:
+        """The sequences ``seqs`` (all in this worker's shards) and their documents' descriptions."""
+        t0, started = time.perf_counter(), time.time()
+        r = self.reader
+        seqs = np.asarray(seqs, np.int64)
+        spans = [r.seq_span(int(s)) for s in seqs]
+        toks = [r.sequence_tokens(int(s)) for s in seqs]
+        docs = r.doc_of_seqs(seqs)
+        uniq = np.unique(docs)
+        out = Sequences(seqs, np.array([a for a, _, _ in spans], np.int64), np.array([b for _, b, _ in spans], np.int64),
+                        np.array([c for _, _, c in spans], np.int64), docs,
+                        [np.asarray(t, np.int32) for t, _ in toks], [np.asarray(y, np.int32) for _, y in toks],
+                        uniq, [r.external_id(int(d)) for d in uniq], r.trained(uniq))
+        self._done("sequences", t0, started, 0)
+        return out
+
+    def seq_of_tokens(self, tok: np.ndarray) -> np.ndarray:
+        return self.reader.seq_of_tokens(np.asarray(tok, np.int64))
+
+    def trained(self, docs: np.ndarray) -> np.ndarray:
+        return self.reader.trained(np.asarray(docs, np.int64))
+
+    def document(self, doc: int) -> dict[str, Any]:
+        return self.reader.document(int(doc))
+
+    def top_contexts(self, proto: int, n: int) -> list[tuple[int, float]]:
+        return self.reader.top_contexts(int(proto), int(n))
+
+    def list_sizes(self) -> np.ndarray:
+        return self.reader.open_list_sizes()
+
+    def ping(self) -> list[int]:
+        return self.held
+
+
+def place_shards(sizes: list[int], n_groups: int) -> list[list[int]]:
+    """Shard positions for each of ``n_groups`` holders, balanced by size: the largest shard first to
+    the holder with the least so far (each holder's list ascending). Empty holders are dropped."""
+    load = [0] * n_groups
+    out: list[list[int]] = [[] for _ in range(n_groups)]
+    for s in sorted(range(len(sizes)), key=lambda i: (-sizes[i], i)):
+        g = min(range(n_groups), key=lambda j: (load[j], j))
+        out[g].append(s)
+        load[g] += sizes[s]
+    return [sorted(g) for g in out if g]
+
+
+class ShardSet(Protocol):
+    """Whoever holds the shards, as the coordinator sees them: merged answers of every holder."""
+
+    def search(self, e: np.ndarray, n: int, nprobe: int | None, ctx: CallContext | None = None) -> np.ndarray: ...
+
+    def posting(self, G: torch.Tensor, damping: float, plan: PostingPlan | None, n: int,
+                ctx: CallContext | None = None) -> np.ndarray: ...
+
+    def shortlist(self, G: torch.Tensor, damping: float, seqs: np.ndarray, aggregation: Aggregation, *,
+                  opponents: bool, n: int, m: int | None, match: bool, include_untrained: bool,
+                  ctx: CallContext | None = None) -> Shortlist: ...
+
+    def close(self) -> None: ...
+
+
+class LocalShards:
+    """Every shard in this process: one worker, answers as they are (the default)."""
+
+    def __init__(self, reader: IndexReader) -> None:
+        self.worker = ShardWorker(reader.dir, torch.zeros(0), reader=reader)
+
+    def search(self, e: np.ndarray, n: int, nprobe: int | None, ctx: CallContext | None = None) -> np.ndarray:
+        return merge_search([self.worker.search(e, n, nprobe)], n)
+
+    def posting(self, G: torch.Tensor, damping: float, plan: PostingPlan | None, n: int,
+                ctx: CallContext | None = None) -> np.ndarray:
+        return merge_best_tokens([self.worker.posting(G, damping, plan, n)], n)
+
+    def shortlist(self, G: torch.Tensor, damping: float, seqs: np.ndarray, aggregation: Aggregation, *,
+                  opponents: bool, n: int, m: int | None, match: bool, include_untrained: bool,
+                  ctx: CallContext | None = None) -> Shortlist:
+        part = self.worker.shortlist(G, damping, seqs, aggregation, opponents=opponents, n=n, m=m, match=match,
+                                     include_untrained=include_untrained)
+        return merge_shortlists([part], n, -1.0 if opponents else 1.0)
+
+    def close(self) -> None:
+        pass
