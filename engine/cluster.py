@@ -241,9 +241,7 @@ class RayShards:
                 ray.kill(a, no_restart=True)
             except Exception:  # noqa: BLE001  (an actor already gone)
                 pass
-        self.actors = []
-        if self._started_ray and ray.is_initialized():
-            ray.shutdown()
+        self.actors = []  # a Ray started here stays up for the process's other indexes (it stops at exit)
 
 
 class RemoteReader(IndexReader):

@@ -278,6 +278,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
         given["default_index"] = args.default_index
     if args.state_dir:
         given["state_dir"] = Path(args.state_dir).resolve()
+    if getattr(args, "ray_address", None):
+        given["ray_address"] = args.ray_address
+    if getattr(args, "ray_actors", None):
+        given["ray_actors"] = args.ray_actors
     try:
         settings = Settings(**given)
         settings.check_serving()
@@ -294,7 +298,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
     # uvicorn's worker processes import the app by name: the environment is their only channel
     os.environ.update({"PRISM_INDEXES": json.dumps(indexes), "PRISM_STATE_DIR": str(settings.state_dir),
                        "PRISM_LOG_LEVEL": settings.log_level, "PRISM_LOG_FORMAT": settings.log_format,
-                       **({"PRISM_DEFAULT_INDEX": settings.default_index} if settings.default_index else {})})
+                       **({"PRISM_DEFAULT_INDEX": settings.default_index} if settings.default_index else {}),
+                       **({"PRISM_RAY_ADDRESS": settings.ray_address} if settings.ray_address else {}),
+                       **({"PRISM_RAY_ACTORS": str(settings.ray_actors)} if settings.ray_actors else {})})
     uvicorn.run("prism_tda.service.app:create_app_from_env", factory=True, workers=settings.workers, **run)
     return 0
 
@@ -464,6 +470,12 @@ def build_parser() -> argparse.ArgumentParser:
     sv.add_argument("--workers", type=int, default=1, help="server processes (each loads every index)")
     sv.add_argument("--state-dir", help="audit and prototype-set database directory (default: PRISM_STATE_DIR "
                                         "or ./prism-state, as for `prism sql` and `prism demo`)")
+    sv.add_argument("--ray-address", metavar="ADDR",
+                    help="serve the shards from Ray actors of this cluster (auto, ray://HOST:10001, or local: a "
+                         "Ray started here); the index directory must be at the same path on every node "
+                         "(default: PRISM_RAY_ADDRESS, else this process holds every shard)")
+    sv.add_argument("--ray-actors", type=int, metavar="N",
+                    help="shard-holding actors per index (default: PRISM_RAY_ACTORS, else one per shard)")
     sv.set_defaults(fn=cmd_serve)
 
     q = sub.add_parser("sql", help="read-only SQL over an index's tables (the service's locked engine)",

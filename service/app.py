@@ -47,7 +47,7 @@ def _load(settings: Settings, metrics: Metrics) -> Services:
         torch.set_num_threads(settings.torch_threads)
     registry = Registry.load(settings)
     for ix in registry.indexes.values():
-        metrics.index_load_seconds.labels(ix.name).set(ix.load_seconds)
+        metrics.index_loaded(ix)
     state = StateDB(settings.state_dir)
     for name, ids in settings.prototype_sets.items():
         for ix in registry.indexes.values():

@@ -48,7 +48,7 @@ class LoadedIndex:
     @classmethod
     def load(cls, name: str, index_dir: Path, settings: Settings) -> LoadedIndex:
         t0 = time.perf_counter()
-        att = Attributor.open(index_dir, exact_token_limit=settings.exact_max_tokens)
+        att = Attributor.open(index_dir, exact_token_limit=settings.exact_max_tokens, cluster=settings.cluster())
         sql = SqlPool(index_dir, sql_limits(settings), settings.state_dir / "state.sqlite3")
         ix = cls(name, Path(index_dir), att, Catalog(att.reader), sql, time.perf_counter() - t0)
         log.info("index loaded", extra={"index": name, "dir": str(index_dir), "seconds": round(ix.load_seconds, 2),
@@ -73,7 +73,8 @@ class LoadedIndex:
         return {"name": self.name, "documents": m.documents, "sequences": m.sequences, "tokens": m.tokens,
                 "prototypes": self.n_prototypes, "context": self.attributor.encoder.context,
                 "vocab_size": self.attributor.model.cfg.vocab_size, "tables": list(TABLES),
-                "shards": len(self.manifest.shards)}
+                "shards": len(self.manifest.shards),
+                "shard_holders": len(getattr(self.attributor.shards, "groups", [None]))}
 
     # ------------------------------------------------------------------------ checks
     def check_query(self, spec: QuerySpec) -> None:
@@ -121,6 +122,12 @@ class LoadedIndex:
 
     def close(self) -> None:
         self.sql.close()
+        self.attributor.close()
+
+
+def _close_parts(sql: SqlPool, attributor: Attributor) -> None:
+    sql.close()
+    attributor.close()
 
 
 def sql_limits(settings: Settings) -> SqlLimits:
@@ -207,7 +214,7 @@ class Registry:
             self.indexes = {**self.indexes, name: new}
             # The old version's store closes once no in-flight request holds the old object.
             # (the callback must not hold ``old`` itself, or it would never be collected)
-            weakref.finalize(old, old.sql.close)
+            weakref.finalize(old, _close_parts, old.sql, old.attributor)
         log.info("index swapped", extra={"index": name, "old_dir": str(old.dir), "new_dir": str(new.dir),
                                          "documents": new.n_documents, "seconds": round(new.load_seconds, 2)})
         return old, new

@@ -30,7 +30,7 @@ def reload_all(services: Services) -> dict[str, str]:
     for name in list(services.registry.indexes):
         try:
             _, new = services.registry.swap(name)
-            services.metrics.index_load_seconds.labels(name).set(new.load_seconds)
+            services.metrics.index_loaded(new)
             out[name] = "swapped"
         except PrismError as e:
             log.error("index reload refused; the old version keeps serving", extra={"index": name, "error": str(e)})

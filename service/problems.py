@@ -86,6 +86,8 @@ SqlOutOfMemory = _kind("SqlOutOfMemory", "sql-out-of-memory", 422, "The SQL quer
 SqlResultTooLarge = _kind("SqlResultTooLarge", "sql-result-too-large", 422, "The SQL result is too large")
 SqlBusy = _kind("SqlBusy", "sql-busy", 503, "Every SQL worker is busy")
 NotReady = _kind("NotReady", "not-ready", 503, "The service is not ready")
+ShardUnavailable = _kind("ShardUnavailable", "shard-unavailable", 503,
+                         "Some shards of the index did not answer; try again shortly")
 
 ALL_KINDS: list[type[ServiceError]] = [v for v in list(globals().values())
                                        if isinstance(v, type) and issubclass(v, ServiceError) and v is not ServiceError]
@@ -133,6 +135,8 @@ async def _on_error(request: Request, exc: Exception) -> JSONResponse:
         return error_response(InvalidRequest(detail, errors=items), request)
     if isinstance(exc, QueryError):
         return error_response(from_query_error(exc), request)
+    if type(exc).__name__ == "ShardUnavailable" and isinstance(exc, PrismError):  # engine/cluster.py
+        return error_response(ShardUnavailable(str(exc), headers={"Retry-After": "5"}), request)
     if isinstance(exc, StarletteHTTPException):
         if exc.status_code == 404:
             return error_response(RouteNotFound(f"no endpoint at {request.url.path}"), request)

@@ -61,6 +61,9 @@ class AttributeRequest(Strict):
                                                                "multi-token target matched as a whole).")
     include_untrained: bool = Field(False, description="Also return documents the checkpoint did not train on "
                                                        "(its validation split); each document says `trained`.")
+    allow_partial: bool = Field(False, description="Served from a cluster: when some shards do not answer, return "
+                                                   "the best documents of the others (`partial: true`, naming the "
+                                                   "missing shards) instead of 503 `shard-unavailable`.")
 
     def spec(self) -> QuerySpec:
         return QuerySpec(self.prompt, self.completion, self.max_new_tokens, self.target_index)
@@ -69,7 +72,7 @@ class AttributeRequest(Strict):
         return QueryOptions(n_documents=self.top_k, mode=self.mode, n_candidates=self.n_candidates,
                             opponents=self.opponents, damping=self.damping, aggregation=self.aggregation,
                             exact_rerank=self.exact_rerank, exact_tokens=self.exact_tokens, nprobe=self.nprobe,
-                            include_untrained=self.include_untrained)
+                            include_untrained=self.include_untrained, allow_partial=self.allow_partial)
 
     @model_validator(mode="after")
     def _one_target(self) -> AttributeRequest:
@@ -91,6 +94,9 @@ class AttributeResponse(BaseModel):
     timings_ms: Timings
     tokens_scored: int = Field(description="Training tokens scored (fast: the candidates' tokens, approximately; "
                                            "exact: every token).")
+    partial: bool = Field(False, description="Some shards did not answer (only with `allow_partial`): the "
+                                             "documents are the best of the other shards.")
+    missing_shards: list[int] = Field(default_factory=list, description="The shards that did not answer.")
 
 
 # ---------------------------------------------------------------------------- generate

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import ipaddress
 from pathlib import Path
+from typing import Any
 
 from pydantic import Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
@@ -112,6 +113,17 @@ class Settings(BaseSettings):
         default_factory=dict,
         description="Named prototype sets created in every index at start-up (JSON {name: [ids]}), for "
                     "generation suppression and audit flags; more can be stored with PUT /v1/prototype-sets.")
+    ray_address: str | None = Field(
+        None, description="Serve every index's shards from Ray actors of this cluster: `auto` (the cluster this "
+                          "machine is part of), `ray://HOST:10001`, or `local` (a Ray started by the server on "
+                          "this machine). Unset: the server process holds every shard itself.")
+    ray_actors: int | None = Field(None, ge=1, description="Shard-holding actors per index when served from Ray "
+                                                           "(placed by size; default: one per shard).")
+    ray_actor_cpus: float = Field(0.5, gt=0, description="CPUs Ray reserves for each shard actor (fractional "
+                                                         "values let several share a core).")
+    ray_call_timeout_s: float = Field(30.0, gt=0, description="Longest wait for one shard actor's answer, a "
+                                                              "restart included; past it (and one retry) the "
+                                                              "request answers 503 `shard-unavailable`.")
     log_level: str = Field("info", description="Log level: debug, info, warning or error.")
     log_format: str = Field("json", description="Log format: json (one object per line) or text.")
 
@@ -143,6 +155,15 @@ class Settings(BaseSettings):
         if self.default_index is not None and self.indexes and self.default_index not in self.indexes:
             raise ValueError(f"default_index {self.default_index!r} is not one of indexes {sorted(self.indexes)}")
         return self
+
+    def cluster(self) -> Any:
+        """The engine's cluster spec when shards are served from Ray, else None."""
+        if not self.ray_address:
+            return None
+        from prism_tda.engine.cluster import ClusterSpec
+
+        return ClusterSpec(address=None if self.ray_address == "local" else self.ray_address, actors=self.ray_actors,
+                           num_cpus=self.ray_actor_cpus, call_timeout_s=self.ray_call_timeout_s)
 
     @property
     def default(self) -> str | None:

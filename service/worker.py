@@ -105,6 +105,11 @@ class AuditWorker:
                                             include_untrained=bool(p.get("include_untrained", False))))
             result = outcome(res, set(item["flag_prototypes"] or []))
         except PrismError as e:
+            if type(e).__name__ == "ShardUnavailable":  # the cluster, not the item: retried after a pause
+                log.warning("audit item waits for its shards", extra={"job_id": item["job_id"],
+                                                                      "item_no": item["item_no"], "error": str(e)})
+                self._stop.wait(self.poll_s)
+                return True
             error = str(e)
         done = self.state.finish_item(item["job_id"], item["item_no"], error=error, result=result)
         if done:

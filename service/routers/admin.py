@@ -58,7 +58,7 @@ async def reload_index(name: Annotated[str, Path(max_length=200, description="Th
     request uses the new one. Reloads of one server run one at a time."""
     services.registry.get(name)
     old, new = await anyio.to_thread.run_sync(services.registry.swap, name, body.dir if body else None)
-    services.metrics.index_load_seconds.labels(name).set(new.load_seconds)
+    services.metrics.index_loaded(new)
     return ReloadResponse(index=name, checkpoint_sha256=new.manifest.identity["checkpoint_sha256"],
                           previous=_version(old), current=_version(new), load_seconds=round(new.load_seconds, 3),
                           pid=os.getpid())
