@@ -29,7 +29,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from prism_tda.errors import PrismError
+from prism_tda.errors import PrismError, ShardUnavailable
 
 from . import layout
 from .candidates import PostingPlan
@@ -51,14 +51,6 @@ log = logging.getLogger("prism.cluster")
 
 SEQ_CACHE = 16384  # sequences the coordinator keeps of what the actors sent (about 1 KB each)
 SEQ_BLOCK = 256  # sequences fetched at once when the coordinator reads sequences in order
-
-
-class ShardUnavailable(PrismError):
-    """Shards whose actor did not answer (dead, restarting past the wait, or timed out)."""
-
-    def __init__(self, shards: list[int], why: str) -> None:
-        self.shards = sorted(shards)
-        super().__init__(f"shards {self.shards} did not answer ({why}); try again in a few seconds")
 
 
 @dataclass(frozen=True)

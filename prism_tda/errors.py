@@ -25,3 +25,12 @@ class QueryError(PrismError, ValueError):
 
 class PromptTooLongError(QueryError):
     """The prompt and its target do not fit the model's context."""
+
+
+class ShardUnavailable(PrismError):
+    """Shards of an index served from a cluster did not answer (their holder died, is restarting past
+    the wait, or timed out)."""
+
+    def __init__(self, shards: list[int], why: str) -> None:
+        self.shards = sorted(shards)
+        super().__init__(f"shards {self.shards} did not answer ({why}); try again in a few seconds")

@@ -16,6 +16,7 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel, Field
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from prism_tda import errors
 from prism_tda.errors import PrismError, PromptTooLongError, QueryError
 
 from .context import request_id
@@ -135,7 +136,7 @@ async def _on_error(request: Request, exc: Exception) -> JSONResponse:
         return error_response(InvalidRequest(detail, errors=items), request)
     if isinstance(exc, QueryError):
         return error_response(from_query_error(exc), request)
-    if type(exc).__name__ == "ShardUnavailable" and isinstance(exc, PrismError):  # engine/cluster.py
+    if isinstance(exc, errors.ShardUnavailable):
         return error_response(ShardUnavailable(str(exc), headers={"Retry-After": "5"}), request)
     if isinstance(exc, StarletteHTTPException):
         if exc.status_code == 404:
@@ -166,7 +167,8 @@ def from_query_error(exc: QueryError, *, where: str = "") -> ServiceError:
 
 
 def install(app: FastAPI) -> None:
-    for exc_type in (ServiceError, RequestValidationError, QueryError, StarletteHTTPException, Exception):
+    for exc_type in (ServiceError, RequestValidationError, QueryError, errors.ShardUnavailable, StarletteHTTPException,
+                     Exception):
         app.add_exception_handler(exc_type, _on_error)
 
 

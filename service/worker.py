@@ -14,7 +14,7 @@ import threading
 from typing import Any
 
 from prism_tda.engine import Attribution, QueryOptions, QuerySpec
-from prism_tda.errors import PrismError
+from prism_tda.errors import PrismError, ShardUnavailable
 
 from .indexes import Registry
 from .metrics import Metrics
@@ -105,7 +105,7 @@ class AuditWorker:
                                             include_untrained=bool(p.get("include_untrained", False))))
             result = outcome(res, set(item["flag_prototypes"] or []))
         except PrismError as e:
-            if type(e).__name__ == "ShardUnavailable":  # the cluster, not the item: retried after a pause
+            if isinstance(e, ShardUnavailable):  # the cluster, not the item: retried after a pause
                 log.warning("audit item waits for its shards", extra={"job_id": item["job_id"],
                                                                       "item_no": item["item_no"], "error": str(e)})
                 self._stop.wait(self.poll_s)

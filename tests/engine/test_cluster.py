@@ -15,7 +15,8 @@ from prism_tda.engine.shards import place_shards
 
 ray = pytest.importorskip("ray")
 
-from prism_tda.engine.cluster import ClusterSpec, ShardUnavailable  # noqa: E402
+from prism_tda.engine.cluster import ClusterSpec  # noqa: E402
+from prism_tda.errors import ShardUnavailable  # noqa: E402
 
 QUERIES = [QuerySpec("A computer", " is a machine"), QuerySpec("The cat sat on the", " mat"),
            QuerySpec("Water is made of"), QuerySpec("The history of", " the city", target_index=1)]

@@ -35,9 +35,10 @@ class Live:
 
 
 @contextmanager
-def serving(settings: Settings) -> Iterator[Live]:
-    """The app under a real uvicorn server in a thread, for the duration of the block."""
-    config = uvicorn.Config(create_app(settings), host="127.0.0.1", port=settings.port, log_config=None,
+def serving(settings: Settings, app=None) -> Iterator[Live]:
+    """The app (default: a new one of ``settings``) under a real uvicorn server in a thread, for the
+    duration of the block."""
+    config = uvicorn.Config(app if app is not None else create_app(settings), host="127.0.0.1", port=settings.port, log_config=None,
                             access_log=False, lifespan="on")
     server = uvicorn.Server(config)
     thread = threading.Thread(target=server.run, daemon=True)
@@ -92,7 +93,7 @@ def assert_problem(r: httpx.Response, status: int, kind: str, *, mentions: str |
 class Server:
     """`prism serve` in a subprocess (the way it is deployed), logging to a file."""
 
-    def __init__(self, indexes: list[str], state_dir: Path, log_path: Path, **env: str) -> None:
+    def __init__(self, indexes: list[str], state_dir: Path, log_path: Path, *options: str, **env: str) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = log_path
@@ -101,7 +102,7 @@ class Server:
                     "PRISM_AUDIT_POLL_S": "0.1", **env}
         args = [a for ix in indexes for a in ("--index", ix)]
         self.proc = subprocess.Popen([sys.executable, "-m", "prism_tda.cli", "--log-format", "text", "serve", *args,
-                                      "--port", str(self.port),
+                                      "--port", str(self.port), *options,
                                       "--state-dir", str(state_dir)], env=full_env, stdout=self._log,
                                      stderr=subprocess.STDOUT)
 
@@ -139,8 +140,9 @@ class Server:
 def server_factory(tmp_path) -> Iterator:
     started: list[Server] = []
 
-    def make(indexes: list[str], **env: str) -> Server:
-        s = Server(indexes, tmp_path / f"state{len(started)}", tmp_path / f"server{len(started)}.log", **env)
+    def make(indexes: list[str], *options: str, **env: str) -> Server:
+        """A server of ``indexes``; ``options``: more `prism serve` options; ``env``: its PRISM_* settings."""
+        s = Server(indexes, tmp_path / f"state{len(started)}", tmp_path / f"server{len(started)}.log", *options, **env)
         started.append(s)
         return s
 
