@@ -81,9 +81,10 @@ def index_sequences(index_dir: str | Path) -> dict[str, list]:
 
 
 @contextlib.contextmanager
-def served(index: str | Path, name: str = "bench", *, poll_s: float = 0.1):
+def served(index: str | Path, name: str = "bench", *, poll_s: float = 0.1, options: tuple[str, ...] = ()):
     """``prism serve`` on one index as its own process (loopback, no rate limit, its own state
-    directory); yields (process, base URL, seconds until ``/readyz`` answered); stops it on exit."""
+    directory, more ``options`` of `prism serve`); yields (process, base URL, seconds until
+    ``/readyz`` answered); stops it on exit."""
     import shutil
     import signal
     import subprocess
@@ -100,7 +101,7 @@ def served(index: str | Path, name: str = "bench", *, poll_s: float = 0.1):
     env = {**os.environ, "PRISM_RATE_LIMIT_PER_MINUTE": "0"}
     t0 = time.perf_counter()
     server = subprocess.Popen([sys.executable, "-m", "prism_tda.cli", "--log-level", "warning", "serve", "--index",
-                               f"{name}={index}", "--port", str(port), "--state-dir", state], env=env)
+                               f"{name}={index}", "--port", str(port), "--state-dir", state, *options], env=env)
     try:
         while True:
             if server.poll() is not None:

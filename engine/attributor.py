@@ -112,15 +112,13 @@ class Attributor:
         """The sequences the fast path's first stages pick for an encoded query: the ``n_candidates``
         nearest by FAISS, and those of the best tokens of the query's posting lists."""
         pre = self.preconditioner(damping)
-        seqs = np.zeros(0, np.int64)
-        if n_candidates > 0:
-            seqs = self.shards.search(self.reader.query_embedding(q.G * pre.inv.sqrt()), n_candidates, nprobe, ctx)
+        e = self.reader.query_embedding(q.G * pre.inv.sqrt()) if n_candidates > 0 else None
         st = self.stages
-        if st.proto_candidates > 0 and st.token_candidates > 0:
-            plan = posting_plan(self.reader, q.G, pre, st)
-            if plan is not None:
-                seqs = np.concatenate([seqs, self.shards.posting(q.G, pre.damping, plan, st.token_candidates, ctx)])
-        return np.unique(seqs)
+        token_stage = st.proto_candidates > 0 and st.token_candidates > 0
+        plan = posting_plan(self.reader, q.G, pre, st) if token_stage else None
+        found, posted = self.shards.first_stages(e, n_candidates, nprobe, q.G, pre.damping, plan,
+                                                 st.token_candidates if token_stage else 0, ctx)
+        return np.unique(np.concatenate([found, posted]))
 
     def _check_exact(self) -> None:
         if self.exact_token_limit is not None and self.reader.n_tokens > self.exact_token_limit:

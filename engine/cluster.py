@@ -204,6 +204,12 @@ class RayShards:
         return list(self.call({g: (method, args, kw) for g in range(len(self.actors))}, ctx).values())
 
     # ------------------------------------------------------------------------ the query's steps
+    def first_stages(self, e: np.ndarray | None, n: int, nprobe: int | None, G: torch.Tensor, damping: float,
+                     plan: PostingPlan | None, n_tokens: int,
+                     ctx: CallContext | None = None) -> tuple[np.ndarray, np.ndarray]:
+        parts = self.everyone("first_stages", e, n, nprobe, G, damping, plan, n_tokens, ctx=ctx)
+        return merge_search([p[0] for p in parts], n), merge_best_tokens([p[1] for p in parts], n_tokens)
+
     def search(self, e: np.ndarray, n: int, nprobe: int | None, ctx: CallContext | None = None) -> np.ndarray:
         return merge_search(self.everyone("search", e, n, nprobe, ctx=ctx), n)
 

@@ -154,6 +154,20 @@ class ShardWorker:
         self._done("posting", t0, started, len(tok))
         return tok, cos, self.reader.seq_of_tokens(tok)
 
+    def first_stages(self, e: np.ndarray | None, n: int, nprobe: int | None, G: torch.Tensor, damping: float,
+                     plan: PostingPlan | None, n_tokens: int) -> tuple[tuple, tuple]:
+        """Both first stages in one call: (``search``'s answer, ``posting``'s answer); a stage whose
+        input is None answers nothing."""
+        t0, started = time.perf_counter(), time.time()
+        none: tuple = (np.zeros(0), np.zeros(0, np.int64))
+        found = self.reader.search_embedding(e, n, nprobe) if e is not None and n > 0 else none
+        post = none + (np.zeros(0, np.int64),)
+        if plan is not None and n_tokens > 0:
+            tok, cos = best_posting_tokens(self.reader, G, self.preconditioner(damping), plan, n_tokens)
+            post = (tok, cos, self.reader.seq_of_tokens(tok))
+        self._done("first_stages", t0, started, len(post[0]))
+        return found, post
+
     # ------------------------------------------------------------------------ shortlist
     def shortlist(self, G: torch.Tensor, damping: float, seqs: np.ndarray, aggregation: Aggregation, *,
                   opponents: bool, n: int, m: int | None, match: bool, include_untrained: bool) -> Shortlist:
@@ -238,6 +252,10 @@ def place_shards(sizes: list[int], n_groups: int) -> list[list[int]]:
 class ShardSet(Protocol):
     """Whoever holds the shards, as the coordinator sees them: merged answers of every holder."""
 
+    def first_stages(self, e: np.ndarray | None, n: int, nprobe: int | None, G: torch.Tensor, damping: float,
+                     plan: PostingPlan | None, n_tokens: int,
+                     ctx: CallContext | None = None) -> tuple[np.ndarray, np.ndarray]: ...
+
     def search(self, e: np.ndarray, n: int, nprobe: int | None, ctx: CallContext | None = None) -> np.ndarray: ...
 
     def posting(self, G: torch.Tensor, damping: float, plan: PostingPlan | None, n: int,
@@ -255,6 +273,12 @@ class LocalShards:
 
     def __init__(self, reader: IndexReader) -> None:
         self.worker = ShardWorker(reader.dir, torch.zeros(0), reader=reader)
+
+    def first_stages(self, e: np.ndarray | None, n: int, nprobe: int | None, G: torch.Tensor, damping: float,
+                     plan: PostingPlan | None, n_tokens: int,
+                     ctx: CallContext | None = None) -> tuple[np.ndarray, np.ndarray]:
+        found, post = self.worker.first_stages(e, n, nprobe, G, damping, plan, n_tokens)
+        return merge_search([found], n), merge_best_tokens([post], n_tokens)
 
     def search(self, e: np.ndarray, n: int, nprobe: int | None, ctx: CallContext | None = None) -> np.ndarray:
         return merge_search([self.worker.search(e, n, nprobe)], n)

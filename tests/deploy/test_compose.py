@@ -81,12 +81,16 @@ def test_compose_commands_are_valid_prism_commands_on_one_volume():
     assert indexer.checkpoint == ray_indexer.checkpoint == train.out
     assert f"demo={indexer.out}" == f"demo={ray_indexer.out}" == api.index[0]
     assert ray_indexer.ray_address == "ray://ray-head:10001"
+    # the cluster's API serves the same index from the same cluster's actors
+    cluster = prism_args(services["api-cluster"]["command"])
+    assert cluster.fn.__name__ == "cmd_serve" and cluster.index == api.index and cluster.port == PORT
+    assert cluster.ray_address == "ray://ray-head:10001" and cluster.state_dir.startswith("/data/")
     head = " ".join(services["ray-head"]["command"])
     assert "--head" in head and "--port=6379" in head and "--ray-client-server-port=10001" in head
     assert "--address=ray-head:6379" in " ".join(services["ray-worker"]["command"])
     assert services["train"]["profiles"] == ["train"] and services["indexer"]["profiles"] == ["index"]
-    assert all(services[s]["profiles"] == ["ray"] for s in ("ray-head", "ray-worker", "ray-indexer"))
-    for name in ("api", "train", "indexer", "ray-head", "ray-worker", "ray-indexer"):
+    assert all(services[s]["profiles"] == ["ray"] for s in ("ray-head", "ray-worker", "ray-indexer", "api-cluster"))
+    for name in ("api", "train", "indexer", "ray-head", "ray-worker", "ray-indexer", "api-cluster"):
         assert "prism-data:/data" in services[name]["volumes"], name
         assert services[name]["build"]["dockerfile"] == "deploy/Dockerfile", name
 

@@ -74,7 +74,7 @@ def test_api_over_ray_actors(local_ray, index, tmp_path, client):
         text = c.get("/metrics").text
         for holder in ("0", "1"):
             assert f'prism_shard_call_seconds_count{{holder="{holder}",index="tiny",method="shortlist"}}' in text
-            assert f'prism_shard_queue_seconds_count{{holder="{holder}",index="tiny",method="search"}}' in text
+            assert f'prism_shard_queue_seconds_count{{holder="{holder}",index="tiny",method="first_stages"}}' in text
         assert 'prism_shard_rows_scored_total{holder="0",index="tiny"}' in text
         # a holder gone for good: 503 naming its shards, or the others' answer when asked for
         shards = app.state.services.registry.get("tiny").attributor.shards
