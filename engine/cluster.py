@@ -52,6 +52,12 @@ log = logging.getLogger("prism.cluster")
 SEQ_CACHE = 16384  # sequences the coordinator keeps of what the actors sent (about 1 KB each)
 SEQ_BLOCK = 256  # sequences fetched at once when the coordinator reads sequences in order
 
+# a Ray started by this process stops when the last RayShards using it closes (not at the first:
+# a swapped index's new version opens before the old one closes)
+_ray_users = 0
+_ray_started_here = False
+_ray_lock = threading.Lock()
+
 
 @dataclass(frozen=True)
 class ClusterSpec:
@@ -118,13 +124,17 @@ class RayShards:
         infos = manifest.shards
         if not infos:
             raise PrismError(f"{self.dir}: the index has no shards to serve")
-        self._started_ray = not ray.is_initialized()
-        if self._started_ray:
-            if spec.address:
-                ray.init(address=spec.address, namespace=spec.namespace, log_to_driver=False)
-            else:
-                ray.init(include_dashboard=False, log_to_driver=False, namespace=spec.namespace,
-                         object_store_memory=128 * 1024**2)
+        global _ray_users, _ray_started_here
+        with _ray_lock:
+            if not ray.is_initialized():
+                if spec.address:
+                    ray.init(address=spec.address, namespace=spec.namespace, log_to_driver=False)
+                else:
+                    ray.init(include_dashboard=False, log_to_driver=False, namespace=spec.namespace,
+                             object_store_memory=128 * 1024**2)
+                _ray_started_here = True
+            _ray_users += 1
+        self._closed = False
         self.groups = place_shards([s.n_tokens for s in infos], spec.actors or len(infos))
         self.holder_of_shard = np.zeros(len(infos), dtype=np.int64)
         for g, shards in enumerate(self.groups):
@@ -239,7 +249,16 @@ class RayShards:
                 ray.kill(a, no_restart=True)
             except Exception:  # noqa: BLE001  (an actor already gone)
                 pass
-        self.actors = []  # a Ray started here stays up for the process's other indexes (it stops at exit)
+        self.actors = []
+        global _ray_users, _ray_started_here
+        with _ray_lock:
+            if self._closed:
+                return
+            self._closed = True
+            _ray_users -= 1
+            if _ray_users == 0 and _ray_started_here and ray.is_initialized():
+                ray.shutdown()
+                _ray_started_here = False
 
 
 class RemoteReader(IndexReader):
