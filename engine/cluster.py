@@ -45,6 +45,7 @@ from .shards import (
     merge_shortlists,
     place_shards,
 )
+from .steering import PrototypeMass
 from .types import Aggregation
 
 log = logging.getLogger("prism.cluster")
@@ -234,6 +235,17 @@ class RayShards:
         parts = self.call({g: ("shortlist", (G, damping, s, aggregation), kw)
                            for g, s in self.split(np.unique(seqs), self.seq_base).items()}, ctx)
         return merge_shortlists(list(parts.values()), n, -1.0 if opponents else 1.0)
+
+    def prototype_mass(self, docs: np.ndarray) -> PrototypeMass:
+        parts = self.call({g: ("prototype_mass", (d,), {}) for g, d in self.split(np.unique(docs), self.doc_base).items()})
+        out = PrototypeMass.empty(int(next(iter(parts.values())).mass.shape[0])) if parts else None
+        if out is None:
+            raise PrismError(f"{self.dir}: no documents given")
+        for p in parts.values():
+            n_docs = out.n_docs + p.n_docs
+            out = out + p
+            out.n_docs = n_docs
+        return out
 
     def pids(self) -> list[int]:
         """Each actor's process id (for operators and tests)."""

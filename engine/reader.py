@@ -242,6 +242,15 @@ class IndexReader:
             parts.append(self.tok_base[s] + ranges(t0[local], t0[local + 1]))
         return np.concatenate(parts) if parts else np.zeros(0, np.int64)
 
+    def rows_of_documents(self, docs: np.ndarray) -> np.ndarray:
+        """Global token rows of the given documents (ascending)."""
+        parts = []
+        for s, _, local in self._split(np.unique(np.asarray(docs, np.int64)), self.doc_base):
+            sh = self.shard(s)
+            seqs = ranges(np.searchsorted(sh.seq_doc, local, side="left"), np.searchsorted(sh.seq_doc, local, side="right"))
+            parts.append(self.tok_base[s] + ranges(sh.seq_tok0[seqs], sh.seq_tok0[seqs + 1]))
+        return np.concatenate(parts) if parts else np.zeros(0, np.int64)
+
     def sequence_tokens(self, seq: int) -> tuple[list[int], list[int]]:
         """(input tokens, targets) of one sequence, as the model saw them."""
         lo, hi, _ = self.seq_span(seq)

@@ -28,6 +28,7 @@ import torch
 from .candidates import PostingPlan, best_posting_tokens
 from .reader import IndexReader
 from .scoring import Preconditioner, approx_scores, ranked_documents, trained_only
+from .steering import PrototypeMass, mass_of_tokens
 from .types import Aggregation
 
 
@@ -230,6 +231,22 @@ class ShardWorker:
     def top_contexts(self, proto: int, n: int) -> list[tuple[int, float]]:
         return self.reader.top_contexts(int(proto), int(n))
 
+    def prototype_mass(self, docs: np.ndarray, chunk: int = 1 << 18) -> PrototypeMass:
+        """The activation mass of the documents ``docs`` (all in this worker's shards), from the stored
+        activations; ``where`` of a token is its global row."""
+        t0, started = time.perf_counter(), time.time()
+        r = self.reader
+        rows = r.rows_of_documents(np.asarray(docs, np.int64))
+        out = PrototypeMass.empty(r.n_prototypes)
+        for b in range(0, len(rows), chunk):
+            part = rows[b : b + chunk]
+            data = r.token_data(part)
+            out = out + mass_of_tokens(data.protos, data.acts, r.doc_of_seqs(r.seq_of_tokens(part)), r.n_prototypes,
+                                       part)
+        out.n_docs = len(np.unique(docs))
+        self._done("prototype_mass", t0, started, len(rows))
+        return out
+
     def list_sizes(self) -> np.ndarray:
         return self.reader.open_list_sizes()
 
@@ -265,6 +282,8 @@ class ShardSet(Protocol):
                   opponents: bool, n: int, m: int | None, match: bool, include_untrained: bool,
                   ctx: CallContext | None = None) -> Shortlist: ...
 
+    def prototype_mass(self, docs: np.ndarray) -> PrototypeMass: ...
+
     def close(self) -> None: ...
 
 
@@ -293,6 +312,9 @@ class LocalShards:
         part = self.worker.shortlist(G, damping, seqs, aggregation, opponents=opponents, n=n, m=m, match=match,
                                      include_untrained=include_untrained)
         return merge_shortlists([part], n, -1.0 if opponents else 1.0)
+
+    def prototype_mass(self, docs: np.ndarray) -> PrototypeMass:
+        return self.worker.prototype_mass(docs)
 
     def close(self) -> None:
         pass

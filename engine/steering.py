@@ -1,0 +1,177 @@
+"""Which prototypes carry a topic: discovery from examples, and a few words to name each prototype.
+
+**Discovery.** A topic is given by example texts (run through the model) or by training documents
+of the index (read from the shards' stored activations); the contrast by other texts, other
+documents, or by default the rest of the corpus (the prototypes table's totals minus the topic's
+part when the topic's documents are in the index). A prototype's specificity is the log-ratio of
+its activation mass per token on the topic and on the contrast, each smoothed by half a token's
+mean activation (``smoothing``), so that a prototype never seen in the contrast does not win on a
+handful of tokens; prototypes active on fewer than ``min_support`` topic tokens or in fewer than
+``min_docs`` topic documents are left out. Each ranked prototype comes with its evidence: topic
+and contrast support, the share of the topic's activation mass it carries, and its strongest
+topic contexts.
+
+**Labels.** Class-based TF-IDF (each prototype a class): the words of a prototype's top contexts
+(the activating token, weighted double, and its neighbours) and of its logit signature, weighted by
+how often each word is in that class against how many classes use it; the top words name it.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections import Counter
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+from tokenizers import Tokenizer
+
+from prism_tda.errors import QueryError
+from prism_tda.model import PRISM
+
+from .tokens import run_batch
+
+
+@dataclass
+class PrototypeMass:
+    """Activation mass per prototype over some tokens, and where it was strongest."""
+
+    mass: np.ndarray  # (K,) sum of activations
+    support: np.ndarray  # (K,) tokens on which the prototype is active
+    docs: np.ndarray  # (K,) documents (or texts) in which it is active
+    n_tokens: int
+    n_docs: int
+    # per prototype, its strongest tokens: (activation, where) with ``where`` a global token row or
+    # (text, position) for pasted texts
+    top: dict[int, list[tuple[float, object]]] = field(default_factory=dict)
+
+    @classmethod
+    def empty(cls, K: int) -> PrototypeMass:
+        return cls(np.zeros(K), np.zeros(K, np.int64), np.zeros(K, np.int64), 0, 0)
+
+    def __add__(self, other: PrototypeMass) -> PrototypeMass:
+        top = {p: sorted(self.top.get(p, []) + other.top.get(p, []), key=lambda x: -x[0])[:TOP]
+               for p in set(self.top) | set(other.top)}
+        return PrototypeMass(self.mass + other.mass, self.support + other.support, self.docs + other.docs,
+                             self.n_tokens + other.n_tokens, self.n_docs + other.n_docs, top)
+
+    def __sub__(self, other: PrototypeMass) -> PrototypeMass:
+        return PrototypeMass(np.maximum(self.mass - other.mass, 0), np.maximum(self.support - other.support, 0),
+                             np.maximum(self.docs - other.docs, 0), max(self.n_tokens - other.n_tokens, 0),
+                             max(self.n_docs - other.n_docs, 0))
+
+
+TOP = 5  # strongest contexts kept per prototype
+
+
+def mass_of_tokens(protos: np.ndarray, acts: np.ndarray, doc: np.ndarray, K: int, where: list | np.ndarray,
+                   *, keep_top: bool = True) -> PrototypeMass:
+    """The mass of tokens with active prototypes ``protos`` (n, k), activations ``acts`` (n, k), the
+    document of each (n,), and each token's place ``where`` (n,)."""
+    live = acts > 0
+    p, a = protos[live], acts[live].astype(np.float64)
+    mass = np.bincount(p, weights=a, minlength=K)
+    support = np.bincount(p, minlength=K)
+    rows = np.nonzero(live)[0]
+    pairs = np.unique(np.stack([p, np.asarray(doc)[rows]], 1), axis=0) if len(p) else np.zeros((0, 2), np.int64)
+    docs = np.bincount(pairs[:, 0], minlength=K) if len(pairs) else np.zeros(K, np.int64)
+    top: dict[int, list[tuple[float, object]]] = {}
+    if keep_top and len(p):
+        order = np.lexsort((-a, p))  # by prototype, strongest first
+        ps = p[order]
+        first = np.r_[True, ps[1:] != ps[:-1]]
+        starts = np.nonzero(first)[0]
+        ends = np.r_[starts[1:], len(ps)]
+        for s, e in zip(starts, ends, strict=True):
+            sel = order[s : min(e, s + TOP)]
+            top[int(ps[s])] = [(float(a[i]), where[int(rows[i])]) for i in sel]
+    return PrototypeMass(mass, support.astype(np.int64), docs.astype(np.int64), int(len(protos)),
+                         int(len(np.unique(doc))) if len(doc) else 0, top)
+
+
+@torch.no_grad()
+def text_mass(model: PRISM, tokenizer: Tokenizer, texts: list[str], *, batch_size: int = 16) -> PrototypeMass:
+    """The mass of example texts, each cut into windows of the model's context; ``where`` of a token
+    is (text index, token position in the text)."""
+    K, T = model.cfg.n_prototypes, model.cfg.block_size
+    windows: list[tuple[int, int, list[int]]] = []  # (text, first position, tokens)
+    for i, t in enumerate(texts):
+        ids = tokenizer.encode(t).ids
+        if len(ids) < 2:
+            raise QueryError(f"texts[{i}]: fewer than 2 tokens; give longer examples")
+        for s in range(0, len(ids) - 1, T):
+            windows.append((i, s, ids[s : s + T + 1]))
+    out = PrototypeMass.empty(K)
+    for b in range(0, len(windows), batch_size):
+        chunk = windows[b : b + batch_size]
+        tb = run_batch(model, [w[2][:-1] if len(w[2]) > 1 else w[2] for w in chunk],
+                       [w[2][1:] if len(w[2]) > 1 else w[2] for w in chunk])
+        row, pos = tb.row.numpy(), tb.pos.numpy()
+        of_text = np.array([chunk[r][0] for r in row], dtype=np.int64)
+        where = [(int(of_text[j]), int(chunk[row[j]][1] + pos[j])) for j in range(len(row))]
+        out = out + mass_of_tokens(tb.proto_idx.numpy(), tb.acts.float().numpy(), of_text, K, where)
+    out.n_docs = len(texts)
+    return out
+
+
+@dataclass
+class Discovered:
+    """One prototype that carries the topic, and the evidence."""
+
+    proto_id: int
+    score: float  # log-ratio of activation mass per token, topic / contrast (smoothed)
+    topic_share: float  # share of the topic's activation mass this prototype carries
+    topic_rate: float  # activation mass per topic token
+    contrast_rate: float  # activation mass per contrast token
+    topic_support: int  # topic tokens on which it is active
+    topic_docs: int  # topic documents (texts) in which it is active
+    contrast_support: int
+    contexts: list[tuple[float, object]]  # its strongest topic tokens: (activation, where)
+
+
+def rank_prototypes(topic: PrototypeMass, contrast: PrototypeMass, *, min_support: int = 5, min_docs: int = 2,
+                    smoothing: float = 0.5, n: int | None = None) -> list[Discovered]:
+    """Prototypes by how specifically they carry the topic (see the module docstring), best first."""
+    if topic.n_tokens == 0:
+        raise QueryError("topic: no tokens; give example texts or documents")
+    if contrast.n_tokens == 0:
+        raise QueryError("contrast: no tokens; give contrast texts or documents, or leave it to the corpus")
+    mean_act = float(contrast.mass.sum() / max(contrast.support.sum(), 1)) or 1.0
+    eps_t, eps_c = smoothing * mean_act / topic.n_tokens, smoothing * mean_act / contrast.n_tokens
+    rate_t, rate_c = topic.mass / topic.n_tokens, contrast.mass / contrast.n_tokens
+    score = np.log((rate_t + eps_t) / (rate_c + eps_c))
+    ok = (topic.support >= min_support) & (topic.docs >= min_docs)
+    ids = np.nonzero(ok)[0]
+    ids = ids[np.lexsort((ids, -score[ids]))][: n or len(ids)]
+    total = float(topic.mass.sum()) or 1.0
+    return [Discovered(int(i), float(score[i]), float(topic.mass[i] / total), float(rate_t[i]), float(rate_c[i]),
+                       int(topic.support[i]), int(topic.docs[i]), int(contrast.support[i]), topic.top.get(int(i), []))
+            for i in ids]
+
+
+# ---------------------------------------------------------------------------- labels
+WORD = re.compile(r"[A-Za-z][A-Za-z'\-]{2,}")
+STOP = frozenset("""the and for that with this from have was are not but you your all any can had her his its one our
+out they their them then there these this were what when where which who will would could should about into over
+than too very just also more most some such only other been being does did doing has him she how why whom yet
+""".split())
+
+
+def words(text: str) -> list[str]:
+    return [w for w in (m.group(0).lower().strip("'-") for m in WORD.finditer(text)) if len(w) > 2 and w not in STOP]
+
+
+def c_tf_idf_labels(classes: dict[int, Counter], n_words: int = 3) -> dict[int, list[str]]:
+    """Top words of each class by class-based TF-IDF: ``tf(w, c) * log(1 + A / f(w))`` with ``A`` the mean
+    number of words per class and ``f(w)`` the word's count over every class."""
+    f: Counter = Counter()
+    for c in classes.values():
+        f.update(c)
+    A = (sum(sum(c.values()) for c in classes.values()) / max(len(classes), 1)) or 1.0
+    out = {}
+    for k, c in classes.items():
+        n = sum(c.values()) or 1
+        scored = sorted(((v / n) * math.log(1 + A / f[w]), w) for w, v in c.items())
+        out[k] = [w for _, w in sorted(scored, key=lambda x: (-x[0], x[1]))[:n_words]]
+    return out
