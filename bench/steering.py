@@ -1,0 +1,328 @@
+"""Steering, measured: find a topic's prototypes from its training documents, suppress them, and see
+how often generations still talk about the topic, at what cost to other text.
+
+On the demo corpus (the fortunes; each document's id starts with its category) and the demo model:
+
+1. **Topic**: one category. ``--topic auto`` (the default) picks, before any generation, the
+   category whose discovered top 10 prototypes carry the largest share of its activation mass (the
+   most specifically represented topic) among categories with at least 3% of the documents; the
+   choice uses discovery's evidence only, never a suppression result.
+2. **Discovery** (``engine/steering.py``) from half of that category's *training* documents
+   (a seeded split), read from the index's stored activations, against the other categories'
+   training documents; prototypes ranked by the smoothed log-ratio of activation mass per token
+   (fixed defaults: ``min_support`` 5, ``min_docs`` 2, ``smoothing`` 0.5; nothing tuned on the
+   results below).
+3. **Topic classifier** trained on documents discovery did not see: the other half of the topic's
+   training documents and its validation documents (positives); the other categories' validation
+   documents and as many of their training documents (negatives). Logistic regression on word
+   counts (TF-IDF), classes weighted to balance, decision threshold fixed at 0.5; accuracy,
+   precision and recall by 5-fold cross-validation.
+4. **Generations**: ``--prompts`` neutral openings x ``--samples`` seeded samples each (temperature 1,
+   top 40, ``--new-tokens`` tokens), the same seeds with and without suppression; a generation is
+   on the topic when the classifier says so.
+5. **Cost**: perplexity of the validation documents of the *other* categories with and without
+   suppression (the active sets stay those of the unsuppressed model, as in ``/v1/generate``).
+
+For set sizes 1, 2, 5, 10, 20, 50 (the discovered top n) and a random set of each size (a control,
+from the prototypes not discovered in the top 50), the topic rate, its relative drop and the
+perplexity ratio; the headline is the largest set within 2% of the bank. Intervals: 95% bootstrap
+over prompts.
+
+    python bench/steering.py --index runs/demo_idle/index
+
+Writes ``bench/results/steering.json`` and ``docs/img/steering.png`` (with matplotlib installed).
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+import time
+from collections import Counter
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).parent))
+from _common import finish, index_documents  # noqa: E402
+
+from prism_tda.engine import Attributor  # noqa: E402
+from prism_tda.engine.steering import rank_prototypes, words  # noqa: E402
+from prism_tda.model.tokenizer import eos_id  # noqa: E402
+
+PROMPTS = ["The", "I", "You", "A man", "My", "When", "There is", "It is", "Never", "Life is", "If you", "Why",
+           "What", "One day", "We", "People", "All", "Nothing", "Some", "In the", "How to", "This is", "Every",
+           "No one", "The best", "Today", "She", "He", "They", "Don't", "Always", "The world", "Love", "Time",
+           "Man is", "Anyone who", "Our", "A good", "Most", "Once", "Here", "Remember", "Beware", "Things",
+           "The only", "Whatever", "Those who", "Many", "Few", "Truth"]
+SIZES = [1, 2, 5, 10, 20, 50]
+
+
+# ---------------------------------------------------------------------------- classifier
+class TopicClassifier:
+    """Logistic regression on TF-IDF word counts (torch, L2, balanced classes)."""
+
+    def __init__(self, vocab_min: int = 2, l2: float = 1e-3, epochs: int = 300, seed: int = 0) -> None:
+        self.vocab_min, self.l2, self.epochs, self.seed = vocab_min, l2, epochs, seed
+
+    def _x(self, texts: list[str]) -> torch.Tensor:
+        X = torch.zeros(len(texts), len(self.vocab))
+        for i, t in enumerate(texts):
+            for w, c in Counter(words(t)).items():
+                j = self.vocab.get(w)
+                if j is not None:
+                    X[i, j] = 1 + math.log(c)
+        X = X * self.idf
+        return X / X.norm(dim=1, keepdim=True).clamp_min(1e-9)
+
+    def fit(self, texts: list[str], y: np.ndarray) -> TopicClassifier:
+        df: Counter = Counter()
+        for t in texts:
+            df.update(set(words(t)))
+        self.vocab = {w: i for i, w in enumerate(sorted(w for w, c in df.items() if c >= self.vocab_min))}
+        n = len(texts)
+        self.idf = torch.tensor([math.log((1 + n) / (1 + df[w])) + 1 for w in sorted(self.vocab, key=self.vocab.get)])
+        X, t = self._x(texts), torch.tensor(y, dtype=torch.float32)
+        pos = float(t.mean())
+        weight = torch.where(t > 0, 0.5 / max(pos, 1e-9), 0.5 / max(1 - pos, 1e-9))
+        g = torch.Generator().manual_seed(self.seed)
+        self.w = (0.01 * torch.randn(X.shape[1], generator=g)).requires_grad_()
+        self.b = torch.zeros(1, requires_grad=True)
+        opt = torch.optim.LBFGS([self.w, self.b], max_iter=self.epochs, line_search_fn="strong_wolfe")
+
+        def closure():
+            opt.zero_grad()
+            loss = (weight * F.binary_cross_entropy_with_logits(X @ self.w + self.b, t, reduction="none")).mean()
+            loss = loss + self.l2 * self.w.pow(2).sum()
+            loss.backward()
+            return loss
+
+        opt.step(closure)
+        return self
+
+    @torch.no_grad()
+    def predict(self, texts: list[str]) -> np.ndarray:
+        return (torch.sigmoid(self._x(texts) @ self.w + self.b) > 0.5).numpy()
+
+
+def cross_validate(texts: list[str], y: np.ndarray, folds: int = 5, seed: int = 0) -> dict:
+    rng = np.random.default_rng(seed)
+    fold = rng.permutation(len(texts)) % folds
+    pred = np.zeros(len(texts), dtype=bool)
+    for f in range(folds):
+        tr, te = fold != f, fold == f
+        clf = TopicClassifier().fit([texts[i] for i in np.nonzero(tr)[0]], y[tr])
+        pred[te] = clf.predict([texts[i] for i in np.nonzero(te)[0]])
+    tp = int((pred & (y == 1)).sum())
+    return {"accuracy": round(float((pred == (y == 1)).mean()), 4),
+            "precision": round(tp / max(int(pred.sum()), 1), 4), "recall": round(tp / max(int((y == 1).sum()), 1), 4),
+            "n": len(texts), "n_topic": int((y == 1).sum()), "folds": folds}
+
+
+# ---------------------------------------------------------------------------- model runs
+@torch.no_grad()
+def sample(model, prompt_ids: list[list[int]], samples: int, new_tokens: int, suppress: list[int] | None,
+           seed: int, eos: int) -> list[list[int]]:
+    """``samples`` continuations of each prompt (temperature 1, top 40), seeded per prompt, so a run with
+    and one without suppression draw from the same random stream."""
+    sup = torch.tensor(sorted(suppress), dtype=torch.long) if suppress else None
+    out = []
+    for p, ids in enumerate(prompt_ids):
+        x = torch.tensor([ids] * samples)
+        g = torch.Generator().manual_seed(seed * 100_003 + p)
+        y = model.generate(x, new_tokens, temperature=1.0, sample_top_k=40, generator=g, suppress=sup)
+        for row in y[:, len(ids):].tolist():
+            out.append(row[: row.index(eos)] if eos in row else row)
+    return out
+
+
+@torch.no_grad()
+def perplexity(model, docs: list[list[int]], suppress: list[int] | None, batch: int = 16) -> float:
+    sup = torch.tensor(sorted(suppress), dtype=torch.long) if suppress else None
+    T = model.cfg.block_size
+    windows = [d[s : s + T + 1] for d in docs for s in range(0, max(len(d) - 1, 1), T) if len(d[s : s + T + 1]) > 1]
+    windows.sort(key=len)
+    nll, n = 0.0, 0
+    for b in range(0, len(windows), batch):
+        chunk = windows[b : b + batch]
+        L = max(len(w) for w in chunk) - 1
+        x = torch.zeros(len(chunk), L, dtype=torch.long)
+        y = torch.full((len(chunk), L), -1, dtype=torch.long)
+        for i, w in enumerate(chunk):
+            x[i, : len(w) - 1] = torch.tensor(w[:-1])
+            y[i, : len(w) - 1] = torch.tensor(w[1:])
+        logits = model(x, suppress=sup).logits if sup is not None else model(x).logits
+        nll += float(F.cross_entropy(logits.float().reshape(-1, logits.size(-1)), y.reshape(-1), ignore_index=-1,
+                                     reduction="sum"))
+        n += int((y >= 0).sum())
+    return math.exp(nll / n)
+
+
+def boot_rate(on: np.ndarray, n_prompts: int, samples: int, reps: int = 1000, seed: int = 0) -> list[float]:
+    """95% bootstrap interval of a rate over prompts (``on``: (n_prompts * samples,) in prompt order)."""
+    per = on.reshape(n_prompts, samples).mean(1)
+    rng = np.random.default_rng(seed)
+    draws = per[rng.integers(0, n_prompts, (reps, n_prompts))].mean(1)
+    return [round(float(np.percentile(draws, 2.5)), 4), round(float(np.percentile(draws, 97.5)), 4)]
+
+
+def boot_drop(base: np.ndarray, supp: np.ndarray, n_prompts: int, samples: int, reps: int = 1000,
+              seed: int = 0) -> list[float]:
+    b, s = base.reshape(n_prompts, samples).mean(1), supp.reshape(n_prompts, samples).mean(1)
+    rng = np.random.default_rng(seed)
+    idx = rng.integers(0, n_prompts, (reps, n_prompts))
+    drops = 1 - s[idx].mean(1) / np.maximum(b[idx].mean(1), 1e-9)
+    return [round(float(np.percentile(drops, 2.5)), 4), round(float(np.percentile(drops, 97.5)), 4)]
+
+
+def plot(res: dict, path: Path) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib not installed: no plot")
+        return
+    fig, ax = plt.subplots(1, 2, figsize=(10, 3.8))
+    for key, label, style in (("discovered", "discovered set", "o-"), ("random", "random set (control)", "s--")):
+        rows = res["curve"][key]
+        x = [r["size"] for r in rows]
+        ax[0].plot(x, [r["topic_rate_drop"] for r in rows], style, label=label)
+        ax[1].plot(x, [r["other_ppl_ratio"] for r in rows], style, label=label)
+    ax[0].axhline(0.75, color="grey", lw=0.8, ls=":")
+    ax[1].axhline(1.02, color="grey", lw=0.8, ls=":")
+    for a in ax:
+        a.set_xscale("log")
+        a.set_xlabel("prototypes suppressed")
+        a.legend()
+    ax[0].set_ylabel(f"relative drop of topic rate ({res['topic']})")
+    ax[1].set_ylabel("perplexity ratio, other categories")
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+
+
+def main(argv: list[str] | None = None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--index", default="runs/demo_idle/index")
+    ap.add_argument("--topic", default="auto", help="a category, or auto (see the docstring)")
+    ap.add_argument("--prompts", type=int, default=50)
+    ap.add_argument("--samples", type=int, default=10)
+    ap.add_argument("--new-tokens", type=int, default=40)
+    ap.add_argument("--sizes", type=int, nargs="+", default=SIZES)
+    ap.add_argument("--ppl-docs", type=int, default=400, help="validation documents of other categories for perplexity")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--out", default="bench/results/steering.json")
+    ap.add_argument("--plot", default="docs/img/steering.png")
+    args = ap.parse_args(argv)
+    torch.manual_seed(args.seed)
+    t0 = time.perf_counter()
+    att = Attributor.open(args.index)
+    model, tok = att.model, att.tokenizer
+    K = model.cfg.n_prototypes
+    docs = index_documents(args.index, ["doc_id", "external_id", "text", "trained"])
+    cat = np.array([e.split("/")[0] for e in docs["external_id"]])
+    trained = np.array(docs["trained"], dtype=bool)
+    ids = np.arange(len(cat))
+    rng = np.random.default_rng(args.seed)
+    half = rng.random(len(cat)) < 0.5  # discovery's half of each category's training documents
+    choice = {}
+    if args.topic == "auto":
+        for c in np.unique(cat):
+            if (cat == c).mean() < 0.03:
+                continue
+            m = att.shards.prototype_mass(ids[(cat == c) & trained & half])
+            rest = att.shards.prototype_mass(ids[(cat != c) & trained])
+            choice[str(c)] = round(sum(d.topic_share for d in rank_prototypes(m, rest, n=10)), 4)
+        args.topic = max(choice, key=choice.get)
+    topic = cat == args.topic
+    if not topic.any():
+        raise SystemExit(f"--topic {args.topic}: no document id starts with '{args.topic}/'")
+    # 2. discovery from half of the topic's training documents, against the other training documents
+    t_disc = time.perf_counter()
+    m_topic = att.shards.prototype_mass(ids[topic & trained & half])
+    m_rest = att.shards.prototype_mass(ids[~topic & trained])
+    found = rank_prototypes(m_topic, m_rest, n=max(args.sizes))
+    disc_s = time.perf_counter() - t_disc
+    ranked = [d.proto_id for d in found]
+    # 3. the classifier, on documents discovery did not see
+    pos = np.nonzero(topic & ~(trained & half))[0]
+    neg_val = np.nonzero(~topic & ~trained)[0]
+    neg_tr = rng.choice(np.nonzero(~topic & trained)[0], size=len(neg_val), replace=False)
+    clf_docs = np.concatenate([pos, neg_val, neg_tr])
+    texts = [docs["text"][i] for i in clf_docs]
+    y = topic[clf_docs].astype(int)
+    held = np.nonzero(~trained)[0]
+    cv = cross_validate(texts, y, seed=args.seed)
+    clf = TopicClassifier().fit(texts, y)
+    # 4. generations; 5. perplexity on other categories' held-out documents
+    eos = eos_id(tok)
+    prompt_ids = [tok.encode(p).ids for p in PROMPTS[: args.prompts]]
+    other = [i for i in held if not topic[i]][: args.ppl_docs]
+    other_ids = [tok.encode(docs["text"][i]).ids for i in other]
+    n_p, n_s = len(prompt_ids), args.samples
+
+    def measure(suppress: list[int] | None) -> dict:
+        gens = sample(model, prompt_ids, n_s, args.new_tokens, suppress, args.seed, eos)
+        on = clf.predict([tok.decode(g) for g in gens]).astype(float)
+        return {"on": on, "ppl": perplexity(model, other_ids, suppress), "examples": [tok.decode(g) for g in gens[:3]]}
+
+    base = measure(None)
+    rng = np.random.default_rng(args.seed + 1)
+    pool = np.setdiff1d(np.arange(K), ranked)
+    curve: dict[str, list] = {"discovered": [], "random": []}
+    examples = {}
+    for size in args.sizes:
+        for kind, chosen in (("discovered", ranked[:size]), ("random", sorted(rng.choice(pool, size, replace=False).tolist()))):
+            m = measure(chosen)
+            rate_b, rate_s = float(base["on"].mean()), float(m["on"].mean())
+            curve[kind].append({
+                "size": size, "prototypes": [int(c) for c in chosen], "share_of_bank": round(size / K, 4),
+                "topic_rate": round(rate_s, 4), "topic_rate_ci": boot_rate(m["on"], n_p, n_s),
+                "topic_rate_drop": round(1 - rate_s / max(rate_b, 1e-9), 4),
+                "topic_rate_drop_ci": boot_drop(base["on"], m["on"], n_p, n_s),
+                "other_ppl": round(m["ppl"], 4), "other_ppl_ratio": round(m["ppl"] / base["ppl"], 4)})
+            if kind == "discovered":
+                examples[size] = m["examples"]
+            print(kind, curve[kind][-1]["size"], curve[kind][-1]["topic_rate"], curve[kind][-1]["other_ppl_ratio"],
+                  flush=True)
+    head = max((r for r in curve["discovered"] if r["share_of_bank"] <= 0.02), key=lambda r: r["size"])
+    ctrl = next(r for r in curve["random"] if r["size"] == head["size"])
+    rate_b = float(base["on"].mean())
+    res = {
+        "topic": args.topic, "index": str(Path(args.index).resolve()), "prototypes_in_bank": K,
+        "why_topic": ("picked by --topic auto: the category (>= 3% of documents) whose discovered top 10 carry the "
+                      "largest share of its activation mass, from discovery's evidence only") if choice else "given",
+        "topic_choice_top10_share": choice,
+        "discovery": {"topic_training_docs": int((topic & trained & half).sum()), "contrast_training_docs": int((~topic & trained).sum()),
+                      "topic_tokens": m_topic.n_tokens, "contrast_tokens": m_rest.n_tokens, "seconds": round(disc_s, 2),
+                      "top": [{"proto_id": d.proto_id, "score": round(d.score, 3), "topic_share": round(d.topic_share, 4),
+                               "topic_support": d.topic_support, "topic_docs": d.topic_docs,
+                               "contrast_support": d.contrast_support} for d in found[:20]]},
+        "classifier": {"trained_on": "documents discovery did not see: the topic's other half and validation "
+                                     "documents; other categories' validation documents and as many training ones",
+                       **cv},
+        "generations": {"prompts": n_p, "samples_per_prompt": n_s, "total": n_p * n_s, "new_tokens": args.new_tokens,
+                        "temperature": 1.0, "sample_top_k": 40},
+        "other_ppl_docs": len(other_ids),
+        "topic_rate_base": round(rate_b, 4), "topic_rate_base_ci": boot_rate(base["on"], n_p, n_s),
+        "headline_size": head["size"], "prototypes_suppressed_share": head["share_of_bank"],
+        "topic_rate_suppressed": head["topic_rate"], "topic_rate_drop": head["topic_rate_drop"],
+        "topic_rate_drop_ci": head["topic_rate_drop_ci"], "other_ppl_base": round(base["ppl"], 4),
+        "other_ppl_ratio": head["other_ppl_ratio"],
+        "control_random": {k: ctrl[k] for k in ("size", "topic_rate", "topic_rate_drop", "topic_rate_drop_ci",
+                                                 "other_ppl_ratio")},
+        "targets": {"topic_rate_drop": ">= 0.75", "prototypes_suppressed_share": "<= 0.02", "other_ppl_ratio": "<= 1.02"},
+        "curve": curve, "examples": {"base": base["examples"], **{f"suppressed_{k}": v for k, v in examples.items()}},
+        "seconds": round(time.perf_counter() - t0, 1),
+    }
+    plot(res, Path(args.plot))
+    return finish(res, "steering.py", argv, args.out)
+
+
+if __name__ == "__main__":
+    main()
