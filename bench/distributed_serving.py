@@ -26,7 +26,6 @@ Writes ``bench/results/distributed.json``.
 from __future__ import annotations
 
 import argparse
-import json
 import re
 import sys
 import time

@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import numpy as np
+import torch
 
 from prism_tda.errors import PrismError, QueryError
 from prism_tda.model import checkpoint as ckpt
@@ -43,6 +44,7 @@ from .scoring import (
     rank_documents,
 )
 from .shards import CallContext, LocalShards, ShardSet
+from .steering import Discovered, PrototypeMass, rank_prototypes, text_mass
 
 if TYPE_CHECKING:
     from .cluster import ClusterSpec
@@ -196,6 +198,56 @@ class Attributor:
         ms = Timings(1e3 * (t1 - t0), cand, 1e3 * (t3 - t1) - cand, 1e3 * (t4 - t3), 1e3 * (t4 - t0))
         return Attribution(opt.mode, opt.aggregation, pre.damping, q.info(), docs, q.per_token, ms, int(n_scored),
                            sorted(ctx.missing))
+
+    # ------------------------------------------------------------------------ steering
+    def corpus_mass(self) -> PrototypeMass:
+        """Activation mass per prototype over the whole corpus (the prototypes table's totals)."""
+        import pyarrow.parquet as pq
+
+        t = pq.read_table(self.reader.dir / "prototypes.parquet", columns=["proto_id", "n_tokens", "mass"])
+        K = self.model.cfg.n_prototypes
+        mass, support = np.zeros(K), np.zeros(K, np.int64)
+        ids = t.column("proto_id").to_numpy()
+        mass[ids] = t.column("mass").to_numpy()
+        support[ids] = t.column("n_tokens").to_numpy()
+        return PrototypeMass(mass, support, np.zeros(K, np.int64), self.manifest.tokens, self.manifest.documents)
+
+    def discover(self, *, topic_texts: list[str] | None = None, topic_docs: np.ndarray | None = None,
+                 contrast_texts: list[str] | None = None, contrast_docs: np.ndarray | None = None,
+                 include_untrained: bool = False, n: int = 20, min_support: int = 5, min_docs: int = 2,
+                 smoothing: float = 0.5) -> tuple[list[Discovered], PrototypeMass, PrototypeMass, str]:
+        """Prototypes ranked by how specifically they carry a topic given by example texts or documents
+        of the index (``engine/steering.py``), against contrast texts or documents, or by default the
+        rest of the corpus; returns (ranked, topic mass, contrast mass, what the contrast was)."""
+        if (topic_texts is None) == (topic_docs is None):
+            raise QueryError("topic: give example texts or documents (one of them)")
+        if contrast_texts is not None and contrast_docs is not None:
+            raise QueryError("contrast: give texts or documents, not both")
+
+        def docs_mass(docs: np.ndarray, field: str) -> PrototypeMass:
+            docs = np.unique(np.asarray(docs, np.int64))
+            bad = docs[(docs < 0) | (docs >= self.reader.n_docs)]
+            if len(bad):
+                raise QueryError(f"{field}: document ids {bad[:10].tolist()} out of range [0, {self.reader.n_docs})")
+            if not include_untrained:
+                docs = docs[self.reader.trained(docs)]
+            if not len(docs):
+                raise QueryError(f"{field}: no trained document given (include_untrained to use the others)")
+            return self.shards.prototype_mass(docs)
+
+        with torch.no_grad():
+            topic = (text_mass(self.model, self.tokenizer, topic_texts) if topic_texts is not None
+                     else docs_mass(np.asarray(topic_docs), "topic.doc_ids"))
+            if contrast_texts is not None:
+                contrast, what = text_mass(self.model, self.tokenizer, contrast_texts), "texts"
+            elif contrast_docs is not None:
+                contrast, what = docs_mass(np.asarray(contrast_docs), "contrast.doc_ids"), "documents"
+            elif topic_docs is not None:
+                contrast, what = self.corpus_mass() - topic, "the rest of the corpus"
+            else:
+                contrast, what = self.corpus_mass(), "the corpus"
+        ranked = rank_prototypes(topic, contrast, min_support=min_support, min_docs=min_docs, smoothing=smoothing, n=n)
+        return ranked, topic, contrast, what
 
     def document_scores(self, q: Query, mode: Mode = "exact", n_candidates: int = 256,
                         damping: float | None = None, exact_rerank: int = 32,

@@ -103,14 +103,19 @@ def text_mass(model: PRISM, tokenizer: Tokenizer, texts: list[str], *, batch_siz
         for s in range(0, len(ids) - 1, T):
             windows.append((i, s, ids[s : s + T + 1]))
     out = PrototypeMass.empty(K)
+    pairs = []  # (prototype, text) of every active slot: a text's windows may fall in several batches
     for b in range(0, len(windows), batch_size):
         chunk = windows[b : b + batch_size]
-        tb = run_batch(model, [w[2][:-1] if len(w[2]) > 1 else w[2] for w in chunk],
-                       [w[2][1:] if len(w[2]) > 1 else w[2] for w in chunk])
+        tb = run_batch(model, [w[2][:-1] for w in chunk], [w[2][1:] for w in chunk])
         row, pos = tb.row.numpy(), tb.pos.numpy()
         of_text = np.array([chunk[r][0] for r in row], dtype=np.int64)
         where = [(int(of_text[j]), int(chunk[row[j]][1] + pos[j])) for j in range(len(row))]
-        out = out + mass_of_tokens(tb.proto_idx.numpy(), tb.acts.float().numpy(), of_text, K, where)
+        protos, acts = tb.proto_idx.numpy(), tb.acts.float().numpy()
+        out = out + mass_of_tokens(protos, acts, of_text, K, where)
+        live = acts > 0
+        pairs.append(np.stack([protos[live], np.broadcast_to(of_text[:, None], protos.shape)[live]], 1))
+    both = np.unique(np.concatenate(pairs), axis=0)
+    out.docs = np.bincount(both[:, 0], minlength=K).astype(np.int64)
     out.n_docs = len(texts)
     return out
 

@@ -310,6 +310,72 @@ def default_state_dir() -> Path:
     return Path(os.environ.get("PRISM_STATE_DIR") or "prism-state")
 
 
+def _sql_doc_ids(index_dir: Path, name: str, sql: str, field: str) -> list[int]:
+    """Document ids from one read-only statement whose first column is doc_id (the SQL pool's limits)."""
+    from .service.sqlengine import SqlRefusal
+    from .service.sqlpool import SqlLimits, SqlPool
+
+    pool = SqlPool(index_dir, SqlLimits(timeout_s=30.0, max_rows=1_000_000, max_result_bytes=256 * 2**20,
+                                        memory_limit_bytes=2**30, workers=1), None)
+    try:
+        header, rows = pool.query(sql, {"index_name": name, "principal": None})
+    except SqlRefusal as e:
+        raise PrismError(f"{field}: {e.kind}: {e.detail}") from None
+    finally:
+        pool.close()
+    if not header["columns"] or header["columns"][0]["name"] != "doc_id":
+        raise PrismError(f"{field}: the first column must be doc_id")
+    return [int(r[0]) for r in json.loads(rows)]
+
+
+def cmd_discover(args: argparse.Namespace) -> int:
+    from .engine import Attributor
+    from .service.catalog import Catalog
+    from .service.indexes import discover_report
+
+    (name, index_dir), = _index_args([args.index]).items()
+    _check_index_dir(name, Path(index_dir))
+
+    def source(texts: list[str] | None, files: list[str] | None, sql: str | None, prefix: str | None,
+               field: str) -> dict | None:
+        if files:
+            texts = (texts or []) + [Path(f).read_text() for f in files]
+        if prefix is not None:
+            sql = f"SELECT doc_id FROM documents WHERE starts_with(external_id, '{prefix.replace(chr(39), chr(39) * 2)}')"
+        given = [x for x in (texts, sql) if x]
+        if len(given) > 1:
+            raise PrismError(f"{field}: give texts, a SQL statement or an id prefix (one of them)")
+        if texts:
+            return {"texts": texts}
+        if sql:
+            return {"doc_ids": _sql_doc_ids(Path(index_dir), name, sql, f"--{field}-sql")}
+        return None
+
+    topic = source(args.text, args.text_file, args.sql, args.doc_prefix, "topic")
+    if topic is None:
+        raise PrismError("give the topic: --text, --text-file, --sql or --doc-prefix")
+    contrast = source(args.contrast_text, None, args.contrast_sql, args.contrast_doc_prefix, "contrast")
+    att = Attributor.open(index_dir)
+    res = discover_report(att, Catalog(att.reader), topic=topic, contrast=contrast, top_n=args.top,
+                          min_support=args.min_support, min_docs=args.min_docs, smoothing=args.smoothing,
+                          include_untrained=args.include_untrained, contexts=args.contexts)
+    if args.json:
+        print(json.dumps(res, indent=2))
+        return 0
+    t, c = res["topic"], res["contrast"]
+    print(f"topic: {t['tokens']:,} tokens of {t['documents']:,} {t['source']}; contrast: {c['tokens']:,} tokens "
+          f"of {c['source']}")
+    print(f"{'proto':>6} {'ratio':>7} {'share':>7} {'support':>8} {'docs':>6}  strongest topic context")
+    for p in res["prototypes"]:
+        ctx = p["contexts"][0] if p["contexts"] else None
+        shown = f"{ctx['before'][-30:]}[{ctx['token']}]{ctx['after'][:20]}".replace("\n", " ") if ctx else ""
+        print(f"{p['proto_id']:>6} {p['ratio']:>7.2f} {p['topic_share']:>7.4f} {p['topic_support']:>8} "
+              f"{p['topic_docs']:>6}  {shown}")
+    ids = ",".join(str(p["proto_id"]) for p in res["prototypes"])
+    print(f"\nsave as a set: curl -X PUT .../v1/prototype-sets/NAME -d '{{\"prototypes\": [{ids}]}}'")
+    return 0
+
+
 def cmd_sql(args: argparse.Namespace) -> int:
     from .service.settings import parse_bytes
     from .service.sqlengine import SqlRefusal
@@ -448,6 +514,27 @@ def build_parser() -> argparse.ArgumentParser:
                    help="also return documents the checkpoint did not train on (its validation split), marked")
     a.add_argument("--json", action="store_true")
     a.set_defaults(fn=cmd_attribute)
+
+    dv = sub.add_parser("discover", help="find the prototypes that carry a topic (for suppression and audit flags)",
+                        description="Rank prototypes by how specifically they carry a topic (example texts, or "
+                                    "documents of the index chosen by SQL or id prefix) against a contrast "
+                                    "(default: the rest of the corpus), with their evidence.")
+    dv.add_argument("--index", required=True, metavar="[NAME=]DIR", help="index directory")
+    dv.add_argument("--text", action="append", help="an example text of the topic (repeat)")
+    dv.add_argument("--text-file", action="append", help="a file holding one example text (repeat)")
+    dv.add_argument("--sql", help="topic documents: SELECT doc_id FROM documents WHERE ...")
+    dv.add_argument("--doc-prefix", help="topic documents: those whose external id starts with this")
+    dv.add_argument("--contrast-text", action="append", help="a contrast text (repeat; default: the corpus)")
+    dv.add_argument("--contrast-sql", help="contrast documents by SQL")
+    dv.add_argument("--contrast-doc-prefix", help="contrast documents by external id prefix")
+    dv.add_argument("--top", type=int, default=20, help="prototypes to show (default 20)")
+    dv.add_argument("--min-support", type=int, default=5, help="least topic tokens a prototype is active on")
+    dv.add_argument("--min-docs", type=int, default=2, help="least topic documents it is active in")
+    dv.add_argument("--smoothing", type=float, default=0.5, help="tokens of mean activation added to both sides")
+    dv.add_argument("--contexts", type=int, default=3, help="topic contexts per prototype (JSON output)")
+    dv.add_argument("--include-untrained", action="store_true", help="also count documents not trained on")
+    dv.add_argument("--json", action="store_true")
+    dv.set_defaults(fn=cmd_discover)
 
     d = sub.add_parser("demo", help="the main job: train the tiny demo model and index the bundled corpus",
                        description="Train (or reuse) a tiny PRISM model on the bundled demo corpus, index "

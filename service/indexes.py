@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 
 from prism_tda.engine import Attribution, Attributor, QueryOptions, QuerySpec, layout
@@ -99,6 +100,10 @@ class LoadedIndex:
                        temperature=temperature, sample_top_k=sample_top_k, seed=seed, suppress=suppress)
         return gen, len(tokens.prompt)
 
+    def discover(self, **kw: Any) -> dict[str, Any]:
+        """Prototypes that carry a topic, with evidence (:func:`discover_report`)."""
+        return discover_report(self.attributor, self.catalog, **kw)
+
     def prototype(self, proto_id: int, n_contexts: int, n_signature: int) -> dict[str, Any]:
         if not 0 <= proto_id < self.n_prototypes:
             raise problems.PrototypeNotFound(f"prototype {proto_id} does not exist in index {self.name!r} "
@@ -128,6 +133,46 @@ class LoadedIndex:
 def _close_parts(sql: SqlPool, attributor: Attributor) -> None:
     sql.close()
     attributor.close()
+
+
+def discover_report(att: Attributor, catalog: Catalog, *, topic: dict[str, Any], contrast: dict[str, Any] | None,
+                    top_n: int = 20, min_support: int = 5, min_docs: int = 2, smoothing: float = 0.5,
+                    include_untrained: bool = False, contexts: int = 3) -> dict[str, Any]:
+    """Prototypes that carry a topic (``engine/steering.py``), with evidence; for the API and the CLI.
+    ``topic``/``contrast``: {"texts": [...]} or {"doc_ids": [...]} (SQL resolved to ids by the caller)."""
+    tok = att.tokenizer
+    ranked, t_mass, c_mass, what = att.discover(
+        topic_texts=topic.get("texts"), topic_docs=topic.get("doc_ids"),
+        contrast_texts=(contrast or {}).get("texts"), contrast_docs=(contrast or {}).get("doc_ids"),
+        include_untrained=include_untrained, n=top_n, min_support=min_support, min_docs=min_docs,
+        smoothing=smoothing)
+    texts = topic.get("texts")
+    encoded = [tok.encode(t).ids for t in texts] if texts is not None else None
+    out = []
+    for d in ranked:
+        ctx = []
+        for act, where in d.contexts[:contexts]:
+            if encoded is not None:
+                assert isinstance(where, tuple)
+                text_index, pos = int(where[0]), int(where[1])
+                ids, doc = encoded[text_index], None
+            else:
+                seq = int(att.reader.seq_of_tokens(np.array([int(where)]))[0])  # type: ignore[call-overload]
+                lo, _, _ = att.reader.seq_span(seq)
+                ids, _ = att.reader.sequence_tokens(seq)
+                pos, doc, text_index = int(where) - lo, int(att.reader.doc_of_seqs(np.array([seq]))[0]), None  # type: ignore[call-overload]
+            ctx.append({"act": float(act), "doc_id": doc, "text_index": text_index,
+                        "before": tok.decode(ids[max(0, pos - 12): pos]), "token": tok.decode(ids[pos: pos + 1]),
+                        "after": tok.decode(ids[pos + 1: pos + 6])})
+        info = catalog.prototype(d.proto_id) or {}
+        out.append({"proto_id": d.proto_id, "label": info.get("label"), "score": d.score,
+                    "ratio": float(np.exp(d.score)), "topic_share": d.topic_share,
+                    "topic_support": d.topic_support, "topic_docs": d.topic_docs,
+                    "contrast_support": d.contrast_support, "contexts": ctx})
+    t_src = "texts" if texts is not None else "documents"
+    return {"topic": {"source": t_src, "tokens": t_mass.n_tokens, "documents": t_mass.n_docs},
+            "contrast": {"source": what, "tokens": c_mass.n_tokens, "documents": c_mass.n_docs},
+            "prototypes": out}
 
 
 def sql_limits(settings: Settings) -> SqlLimits:

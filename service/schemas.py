@@ -294,6 +294,73 @@ class PrototypeSets(BaseModel):
     sets: list[PrototypeSet]
 
 
+class TextSource(Strict):
+    """Where a topic's (or a contrast's) tokens come from: exactly one of the three."""
+
+    texts: list[Annotated[str, Field(min_length=1, max_length=20_000)]] | None = Field(
+        None, min_length=1, max_length=1000, description="Example texts, run through the model.")
+    doc_ids: list[Annotated[int, Field(ge=0, le=2**31 - 1)]] | None = Field(
+        None, min_length=1, max_length=100_000, description="Documents of the index (their stored activations).")
+    sql: str | None = Field(None, min_length=1, max_length=20_000,
+                            description="One read-only SQL statement over the store whose first column is "
+                                        "`doc_id`, e.g. `SELECT doc_id FROM documents WHERE external_id LIKE "
+                                        "'zippy/%'` (the limits of `/v1/sql` apply).")
+
+    @model_validator(mode="after")
+    def _one(self) -> TextSource:
+        if sum(x is not None for x in (self.texts, self.doc_ids, self.sql)) != 1:
+            raise ValueError("give exactly one of texts, doc_ids, sql")
+        return self
+
+
+class DiscoverRequest(Strict):
+    index: IndexName
+    topic: TextSource
+    contrast: TextSource | None = Field(None, description="Default: the rest of the corpus (the whole corpus when "
+                                                          "the topic is pasted texts).")
+    top_n: int = Field(20, ge=1, le=1000, description="Prototypes to return.")
+    min_support: int = Field(5, ge=1, le=10**9, description="Least topic tokens a prototype must be active on.")
+    min_docs: int = Field(2, ge=1, le=10**9, description="Least topic documents (texts) it must be active in.")
+    smoothing: float = Field(0.5, gt=0, le=1000, description="Tokens of mean activation added to both sides of the "
+                                                            "ratio, so that rare prototypes do not win on chance.")
+    include_untrained: bool = Field(False, description="Also count documents the checkpoint did not train on.")
+    contexts: int = Field(3, ge=0, le=5, description="Strongest topic contexts shown per prototype.")
+
+
+class DiscoveredContext(BaseModel):
+    act: float
+    doc_id: int | None = Field(description="The document (topic given by documents).")
+    text_index: int | None = Field(description="The example text (topic given by texts).")
+    before: str
+    token: str
+    after: str
+
+
+class DiscoveredPrototype(BaseModel):
+    proto_id: int
+    label: str | None
+    score: float = Field(description="Log-ratio of activation mass per token, topic over contrast (smoothed).")
+    ratio: float = Field(description="exp(score): how many times more mass per token on the topic.")
+    topic_share: float = Field(description="Share of the topic's activation mass it carries.")
+    topic_support: int = Field(description="Topic tokens it is active on.")
+    topic_docs: int = Field(description="Topic documents (texts) it is active in.")
+    contrast_support: int = Field(description="Contrast tokens it is active on.")
+    contexts: list[DiscoveredContext]
+
+
+class MassSummary(BaseModel):
+    source: str
+    tokens: int
+    documents: int
+
+
+class DiscoverResponse(BaseModel):
+    index: str
+    topic: MassSummary
+    contrast: MassSummary
+    prototypes: list[DiscoveredPrototype]
+
+
 # ---------------------------------------------------------------------------- health
 class Health(BaseModel):
     status: str

@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import json
 from typing import Annotated, Literal
 
 from fastapi import APIRouter, Path, Query, Response
 
 from .. import problems as p
-from ..deps import IndexQuery, ServicesDep
+from ..deps import IndexQuery, PrincipalDep, ServicesDep
 from ..schemas import (
+    DiscoverRequest,
+    DiscoverResponse,
     Prototype,
     PrototypeList,
     PrototypeSet,
@@ -16,7 +19,9 @@ from ..schemas import (
     PrototypeSets,
     PrototypeSummary,
     SetName,
+    TextSource,
 )
+from ..sqlengine import SqlRefusal
 
 router = APIRouter(prefix="/prototypes", tags=["prototypes"])
 sets_router = APIRouter(prefix="/prototype-sets", tags=["prototypes"])
@@ -45,6 +50,47 @@ async def get_prototype(proto_id: Annotated[int, Path(ge=0, le=2**31 - 1)], serv
     ix = services.registry.get(index)
     out = await services.run(ix, ix.prototype, proto_id, contexts, signature)
     return Prototype(index=ix.name, **out)
+
+
+async def _doc_ids(services, ix, src: TextSource | None, field: str, principal) -> dict | None:
+    """A source as the engine takes it: texts, or document ids (a SQL source run through /v1/sql's pool)."""
+    if src is None:
+        return None
+    if src.texts is not None:
+        return {"texts": src.texts}
+    if src.doc_ids is not None:
+        return {"doc_ids": src.doc_ids}
+    audit = {"index_name": ix.name, "principal": None if principal.admin else principal.id}
+    try:
+        header, rows = await services.io(ix.sql.query, src.sql, audit)
+    except SqlRefusal as e:
+        services.metrics.sql_refused.labels(kind=e.kind).inc()
+        raise p.BY_KIND[e.kind](f"{field}.sql: {e.detail}") from None
+    cols = [c["name"] for c in header["columns"]]
+    if not cols or cols[0] != "doc_id":
+        raise p.InvalidQuery(f"{field}.sql: the first column must be doc_id (got {cols[:3]})")
+    ids = [r[0] for r in json.loads(rows)]
+    if not ids or not all(isinstance(i, int) for i in ids):
+        raise p.InvalidQuery(f"{field}.sql: no document ids (or ids that are not integers)")
+    return {"doc_ids": ids}
+
+
+@sets_router.post("/discover", response_model=DiscoverResponse,
+                  responses=p.responses(p.UnknownIndex, p.InvalidQuery, p.SqlSyntax, p.SqlOneStatement,
+                                        p.SqlForbidden, p.SqlError, p.SqlTimeout, p.SqlTooManyRows, p.SqlBusy,
+                                        p.BodyTooLarge))
+async def discover_prototypes(body: DiscoverRequest, services: ServicesDep, principal: PrincipalDep) -> DiscoverResponse:
+    """Rank prototypes by how specifically they carry a topic: example texts, documents, or a SQL filter of
+    documents, against a contrast (default: the rest of the corpus). Each comes with its evidence (support,
+    ratio, share of the topic's mass, strongest topic contexts); save the chosen ones with
+    `PUT /v1/prototype-sets/{name}`."""
+    ix = services.registry.get(body.index)
+    topic = await _doc_ids(services, ix, body.topic, "topic", principal)
+    contrast = await _doc_ids(services, ix, body.contrast, "contrast", principal)
+    out = await services.run(ix, ix.discover, topic=topic, contrast=contrast, top_n=body.top_n,
+                             min_support=body.min_support, min_docs=body.min_docs, smoothing=body.smoothing,
+                             include_untrained=body.include_untrained, contexts=body.contexts)
+    return DiscoverResponse(index=ix.name, **out)
 
 
 async def _set(services, index: str | None, name: str) -> tuple[str, dict]:
