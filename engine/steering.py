@@ -167,6 +167,30 @@ def words(text: str) -> list[str]:
     return [w for w in (m.group(0).lower().strip("'-") for m in WORD.finditer(text)) if len(w) > 2 and w not in STOP]
 
 
+def prototype_labels(reader, model: PRISM, tokenizer: Tokenizer, *, n_contexts: int = 10, n_signature: int = 10,
+                     n_words: int = 3) -> dict[int, str]:
+    """A few words naming each prototype (c-TF-IDF over its top contexts and its logit signature); ``reader``:
+    an index reader (``engine/reader.py``)."""
+    K = model.cfg.n_prototypes
+    _, sig = model.signatures(None, n_signature)
+    classes: dict[int, Counter] = {}
+    for p in range(K):
+        c: Counter = Counter()
+        for row, _ in reader.top_contexts(p, n_contexts):
+            seq = int(reader.seq_of_tokens(np.array([row]))[0])
+            lo, _, _ = reader.seq_span(seq)
+            ids, _ = reader.sequence_tokens(seq)
+            pos = row - lo
+            here = words(tokenizer.decode(ids[max(0, pos - 1): pos + 2]))  # the word the token is part of
+            c.update(here)
+            c.update(here)
+            c.update(words(tokenizer.decode(ids[max(0, pos - 4): max(0, pos - 1)]) + " "
+                           + tokenizer.decode(ids[pos + 2: pos + 5])))
+        c.update(words(" ".join(tokenizer.decode([int(t)]) for t in sig[p].tolist())))
+        classes[p] = c
+    return {p: " ".join(ws) for p, ws in c_tf_idf_labels(classes, n_words).items() if ws}
+
+
 def c_tf_idf_labels(classes: dict[int, Counter], n_words: int = 3) -> dict[int, list[str]]:
     """Top words of each class by class-based TF-IDF: ``tf(w, c) * log(1 + A / f(w))`` with ``A`` the mean
     number of words per class and ``f(w)`` the word's count over every class."""

@@ -356,7 +356,7 @@ def cmd_discover(args: argparse.Namespace) -> int:
         raise PrismError("give the topic: --text, --text-file, --sql or --doc-prefix")
     contrast = source(args.contrast_text, None, args.contrast_sql, args.contrast_doc_prefix, "contrast")
     att = Attributor.open(index_dir)
-    res = discover_report(att, Catalog(att.reader), topic=topic, contrast=contrast, top_n=args.top,
+    res = discover_report(att, Catalog(att.reader, att.model, att.tokenizer), topic=topic, contrast=contrast, top_n=args.top,
                           min_support=args.min_support, min_docs=args.min_docs, smoothing=args.smoothing,
                           include_untrained=args.include_untrained, contexts=args.contexts)
     if args.json:

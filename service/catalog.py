@@ -8,6 +8,7 @@ per-prototype top tokens, both through the engine's reader (memory maps); the pr
 
 from __future__ import annotations
 
+import threading
 from typing import Any
 
 import numpy as np
@@ -19,8 +20,12 @@ ORDERS = {"mass": "mass", "n_tokens": "n_tokens", "proto_id": "proto_id"}
 
 
 class Catalog:
-    def __init__(self, reader: IndexReader) -> None:
-        self.reader = reader
+    def __init__(self, reader: IndexReader, model: Any = None, tokenizer: Any = None) -> None:
+        """``model`` and ``tokenizer``: to name prototypes without a stored label (c-TF-IDF, computed
+        on first use and kept)."""
+        self.reader, self.model, self.tokenizer = reader, model, tokenizer
+        self._labels: dict[int, str] | None = None
+        self._labels_lock = threading.Lock()
         t = pq.read_table(reader.dir / "prototypes.parquet",
                           columns=["proto_id", "n_tokens", "mass", "mean_act", "top_tokens", "label"])
         self.protos = t.to_pydict()
@@ -34,8 +39,25 @@ class Catalog:
                 out[d] = {k: rec[k] for k in ("doc_id", "external_id", "source", "title", "url", "text", "n_tokens")}
         return out
 
+    def labels(self) -> dict[int, str]:
+        """Each prototype's label: the stored one, else a few words from its contexts and signature."""
+        if self._labels is None:
+            with self._labels_lock:
+                if self._labels is None:
+                    made: dict[int, str] = {}
+                    if self.model is not None and self.tokenizer is not None:
+                        from prism_tda.engine.steering import prototype_labels
+
+                        made = prototype_labels(self.reader, self.model, self.tokenizer)
+                    stored = {int(i): lab for i, lab in zip(self.protos["proto_id"], self.protos["label"], strict=True)
+                              if lab}
+                    self._labels = {**made, **stored}
+        return self._labels
+
     def _row(self, i: int) -> dict[str, Any]:
-        return {k: v[i] for k, v in self.protos.items()}
+        row = {k: v[i] for k, v in self.protos.items()}
+        row["label"] = self.labels().get(int(row["proto_id"]), row["label"])
+        return row
 
     def prototype(self, proto_id: int) -> dict[str, Any] | None:
         if not 0 <= proto_id < len(self.protos["proto_id"]):
@@ -44,11 +66,22 @@ class Catalog:
         row["share"] = row["mass"] / self.total_mass
         return row
 
-    def prototypes(self, limit: int, offset: int, order: str) -> tuple[int, list[dict[str, Any]]]:
+    def prototypes(self, limit: int, offset: int, order: str, q: str | None = None) -> tuple[int, list[dict[str, Any]]]:
+        """A page of prototypes in ``order``; with ``q``, only those whose label or top tokens contain
+        every word of it (case-insensitive); the total counts the matches."""
         key = np.asarray(self.protos[ORDERS[order]])
         ids = np.asarray(self.protos["proto_id"])
         idx = np.lexsort((ids, key if order == "proto_id" else -key))
-        return len(ids), [self._row(int(i)) for i in idx[offset : offset + limit]]
+        if q:
+            labels = self.labels()
+            want = q.lower().split()
+
+            def hit(i: int) -> bool:
+                text = " ".join([labels.get(int(ids[i]), "") or "", *(self.protos["top_tokens"][i] or [])]).lower()
+                return all(w in text for w in want)
+
+            idx = np.array([i for i in idx if hit(int(i))], dtype=np.int64)
+        return len(idx), [self._row(int(i)) for i in idx[offset : offset + limit]]
 
     def top_contexts(self, proto_id: int, n: int) -> list[dict[str, Any]]:
         """The ``n`` training tokens that activate ``proto_id`` most, with their sequence's tokens."""

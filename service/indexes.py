@@ -51,7 +51,7 @@ class LoadedIndex:
         t0 = time.perf_counter()
         att = Attributor.open(index_dir, exact_token_limit=settings.exact_max_tokens, cluster=settings.cluster())
         sql = SqlPool(index_dir, sql_limits(settings), settings.state_dir / "state.sqlite3")
-        ix = cls(name, Path(index_dir), att, Catalog(att.reader), sql, time.perf_counter() - t0)
+        ix = cls(name, Path(index_dir), att, Catalog(att.reader, att.model, att.tokenizer), sql, time.perf_counter() - t0)
         log.info("index loaded", extra={"index": name, "dir": str(index_dir), "seconds": round(ix.load_seconds, 2),
                                         "documents": ix.n_documents, "prototypes": ix.n_prototypes})
         return ix

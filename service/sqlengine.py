@@ -167,19 +167,22 @@ class Engine:
                  max_result_bytes: int) -> None:
         self.con, self.timeout_s, self.max_rows, self.max_result_bytes = con, timeout_s, max_rows, max_result_bytes
 
-    def run(self, sql: str, audit_results: Callable[[], pa.Table] | None = None) -> tuple[dict[str, Any], bytes]:
-        """(header, rows as one JSON array) for one statement; raises :class:`SqlRefusal`."""
+    def run(self, sql: str, audit_results: Callable[[], pa.Table] | None = None,
+            prototype_sets: Callable[[], pa.Table] | None = None) -> tuple[dict[str, Any], bytes]:
+        """(header, rows as one JSON array) for one statement; raises :class:`SqlRefusal`. The state's
+        tables (``audit_results``, ``prototype_sets``) are read when the statement names them."""
         query = check_statement(sql)
         t0 = time.perf_counter()
         # the connection itself (one statement at a time per worker): the shards' Arrow tables are
         # registered on it, and a cursor would not see them
         cur = self.con
         timer = threading.Timer(self.timeout_s, cur.interrupt)
-        registered = False
+        registered: list[str] = []
         try:
-            if audit_results is not None and "audit_results" in query.lower():
-                cur.register("audit_results", audit_results())
-                registered = True
+            for name, source in (("audit_results", audit_results), ("prototype_sets", prototype_sets)):
+                if source is not None and name in query.lower():
+                    cur.register(name, source())
+                    registered.append(name)
             timer.start()
             # small batches: a batch of wide rows is what the result-size cap has to stop
             reader = cur.sql(query).limit(self.max_rows + 1).to_arrow_reader(64)
@@ -199,8 +202,8 @@ class Engine:
             raise SqlRefusal("sql-error", _first_line(e)) from None
         finally:
             timer.cancel()
-            if registered:
-                cur.unregister("audit_results")
+            for name in registered:
+                cur.unregister(name)
         return {"ok": True, "columns": columns, "row_count": n}, rows
 
     def _encode(self, reader: pa.RecordBatchReader, t0: float) -> tuple[bytes, int]:
@@ -248,7 +251,7 @@ def read_frames(inp: BinaryIO) -> Iterator[bytes]:
 def main(argv: list[str] | None = None) -> int:
     """A worker process: one locked engine over one index, requests on stdin, answers on stdout."""
     cfg = json.loads((argv or sys.argv[1:])[0])
-    from prism_tda.service.state import read_audit_results
+    from prism_tda.service.state import read_audit_results, read_prototype_sets
 
     try:
         con = open_locked(Path(cfg["index_dir"]), memory_limit=cfg["duckdb_memory_limit"], threads=cfg["threads"])
@@ -262,13 +265,16 @@ def main(argv: list[str] | None = None) -> int:
     for frame in read_frames(inp):
         req = json.loads(frame)
         audit = req.get("audit")
-        source = None
+        source = sets = None
         if audit is not None and cfg.get("state_path"):
             def source(a: dict[str, Any] = audit) -> pa.Table:
                 return read_audit_results(Path(cfg["state_path"]), index_name=a["index_name"],
                                           principal=a.get("principal"))
+
+            def sets(a: dict[str, Any] = audit) -> pa.Table:
+                return read_prototype_sets(Path(cfg["state_path"]), index_name=a["index_name"])
         try:
-            header, rows = engine.run(req["sql"], source)
+            header, rows = engine.run(req["sql"], source, sets)
         except SqlRefusal as e:
             header, rows = {"ok": False, "kind": e.kind, "detail": e.detail}, b""
         write_frame(out, json.dumps(header).encode())

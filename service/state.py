@@ -223,6 +223,26 @@ class StateDB:
                                (index_name, name)).rowcount == 1
 
 
+PROTOTYPE_SETS_SCHEMA = pa.schema([("name", pa.string()), ("proto_id", pa.int32()), ("description", pa.string()),
+                                   ("updated_at", pa.float64())])
+
+
+def read_prototype_sets(path: Path, *, index_name: str) -> pa.Table:
+    """The ``prototype_sets`` SQL table of one index: one row per (set, prototype), from a state database
+    opened read-only (empty when it does not exist yet)."""
+    if not Path(path).is_file():
+        return PROTOTYPE_SETS_SCHEMA.empty_table()
+    con = sqlite3.connect(f"file:{Path(path).absolute()}?mode=ro", uri=True, timeout=30)
+    try:
+        rows = con.execute("SELECT name, prototypes, description, updated_at FROM prototype_sets "
+                           "WHERE index_name = ? ORDER BY name", (index_name,)).fetchall()
+    finally:
+        con.close()
+    flat = [(n, int(p), d, u) for n, ps, d, u in rows for p in json.loads(ps)]
+    return pa.table({f.name: [r[i] for r in flat] for i, f in enumerate(PROTOTYPE_SETS_SCHEMA)},
+                    schema=PROTOTYPE_SETS_SCHEMA)
+
+
 def read_audit_results(path: Path, *, index_name: str | None = None, job_id: str | None = None,
                        principal: str | None = None) -> pa.Table:
     """The ``audit_results`` table from a state database opened read-only (empty when it does not

@@ -31,10 +31,13 @@ sets_router = APIRouter(prefix="/prototype-sets", tags=["prototypes"])
 async def list_prototypes(services: ServicesDep, index: IndexQuery = None,
                           order: Annotated[Literal["mass", "n_tokens", "proto_id"], Query()] = "mass",
                           limit: Annotated[int, Query(ge=1, le=1000)] = 50,
-                          offset: Annotated[int, Query(ge=0, le=2**31 - 1)] = 0) -> PrototypeList:
-    """Prototypes ordered by activation mass (default), token count or id."""
+                          offset: Annotated[int, Query(ge=0, le=2**31 - 1)] = 0,
+                          q: Annotated[str | None, Query(max_length=200, description="Only prototypes whose label "
+                                                         "or top tokens contain every word of this.")] = None,
+                          ) -> PrototypeList:
+    """Prototypes ordered by activation mass (default), token count or id; searchable by label."""
     ix = services.registry.get(index)
-    total, rows = await services.run(ix, ix.catalog.prototypes, limit, offset, order)
+    total, rows = await services.run(ix, ix.catalog.prototypes, limit, offset, order, q)
     return PrototypeList(index=ix.name, total=total,
                          prototypes=[PrototypeSummary(**{**r, "top_tokens": list(r["top_tokens"] or [])})
                                      for r in rows])

@@ -21,7 +21,8 @@ router = APIRouter(prefix="/sql", tags=["sql"])
                                    p.SqlBusy, p.BodyTooLarge))
 async def run_sql(body: SqlRequest, services: ServicesDep, principal: PrincipalDep) -> Response:
     """Run one SELECT over `documents`, `sequences`, `tokens`, `activations`, `prototypes`, `vocab`,
-    `shards` and `audit_results` (your own audits; every audit for admin keys). No file, network or extension
+    `shards`, `audit_results` (your own audits; every audit for admin keys) and `prototype_sets` (one row per set
+    and prototype). No file, network or extension
     access; time, row, result-size and memory limits, enforced from outside the statement's process."""
     ix = services.registry.get(body.index)
     audit = {"index_name": ix.name, "principal": None if principal.admin else principal.id}

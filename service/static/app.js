@@ -9,12 +9,14 @@ import * as documents from "./views/document.js";
 import * as generate from "./views/generate.js";
 import * as prototypes from "./views/prototypes.js";
 import * as sql from "./views/sql.js";
+import * as steer from "./views/steer.js";
 
 const ROUTES = {
   attribute: attribute.render,
   prototypes: prototypes.renderList,
   prototype: prototypes.renderOne,
   generate: generate.render,
+  steer: steer.render,
   audits: audits.render,
   document: documents.render,
   sql: sql.render,

@@ -207,3 +207,39 @@ def test_api_docs_render_offline(page, web_live):
     assert "PRISM-TDA" in page.inner_text(".swagger-ui .info .title")
     page.get_by_text("/v1/attribute", exact=True).first.wait_for()
     assert requests and all(u.startswith(web_live.url + "/") for u in requests), requests
+
+
+def test_steer_discover_save_and_compare(page, web_live):
+    """Steer: documents picked by SQL -> discovered prototypes with evidence -> saved as a set -> the
+    same prompt generated with and without it, as the API generates it."""
+    page.goto(web_live.url + "/#/steer")
+    page.get_by_role("heading", name="Steer").wait_for()
+    # nothing given: a clear message, no request
+    page.get_by_role("button", name="Discover").click()
+    assert "Paste example texts" in page.locator("#steer-found").inner_text()
+    page.fill("#steer-sql", "SELECT doc_id FROM documents WHERE external_id LIKE 'art/%'")
+    page.get_by_role("button", name="Discover").click()
+    page.wait_for_selector("#steer-found table")
+    rows = page.locator("#steer-found tbody tr")
+    assert rows.count() >= 5
+    assert "documents" in page.locator("#steer-summary").inner_text()
+    ticked = [int(b.get_attribute("value")) for b in page.locator("#steer-found tbody input:checked").all()]
+    assert 1 <= len(ticked) <= 10
+    # the table shows what the API discovers for the same topic
+    api = httpx.post(web_live.url + "/v1/prototype-sets/discover",
+                     json={"topic": {"sql": "SELECT doc_id FROM documents WHERE external_id LIKE 'art/%'"}, "top_n": 20},
+                     timeout=120).json()
+    assert ticked == [p["proto_id"] for p in api["prototypes"]][: len(ticked)]
+    page.fill("#steer-name", "art-web")
+    page.get_by_role("button", name="Save set").click()
+    page.locator("#steer-saved", has_text="Saved").wait_for()
+    stored = httpx.get(web_live.url + "/v1/prototype-sets/art-web", timeout=30).json()
+    assert stored["prototypes"] == sorted(ticked)
+    page.fill("#steer-prompt", PROMPT)
+    page.fill("#steer-new", "8")
+    page.fill("#steer-temp", "0")
+    page.get_by_role("button", name="Generate with and without").click()
+    page.locator("#verdict").wait_for()
+    suppressed = page.locator(".gen.suppressed .gen-text").inner_text()
+    body = {"prompt": PROMPT, "max_new_tokens": 8, "suppress": "art-web", "temperature": 0, "seed": 0}
+    assert suppressed == PROMPT + httpx.post(web_live.url + "/v1/generate", json=body, timeout=60).json()["completion"]

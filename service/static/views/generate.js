@@ -66,7 +66,7 @@ function commonPrefix(a, b) {
   return i;
 }
 
-function showCompare(out, prompt, plain, supp) {
+export function showCompare(out, prompt, plain, supp) {
   const sameTokens = commonPrefix(plain.token_ids, supp.token_ids);
   const identical = sameTokens === plain.token_ids.length && sameTokens === supp.token_ids.length;
   const cut = commonPrefix(Array.from(plain.completion), Array.from(supp.completion));

@@ -1,0 +1,113 @@
+// Steer: find the prototypes that carry a topic, save them as a named set, and generate with and
+// without it side by side.
+
+import { api } from "../api.js";
+import { clear, field, h, num, pct } from "../dom.js";
+import { busy, errorBox, protoLink, table } from "../ui.js";
+import { showCompare } from "./generate.js";
+
+const PICKED = 10; // prototypes ticked by default
+
+export async function render(root, { params }) {
+  const examples = h("textarea", { id: "steer-texts", rows: 6, placeholder: "One example per paragraph (blank line between examples)." });
+  const filter = h("input", { id: "steer-sql", type: "text", spellcheck: "false", value: params.get("sql") || "",
+    placeholder: "SELECT doc_id FROM documents WHERE external_id LIKE 'zippy/%'" });
+  const topN = h("input", { id: "steer-top", type: "number", min: 1, max: 200, value: 20 });
+  const submit = h("button", { type: "submit", class: "primary" }, "Discover");
+  const status = h("p", { class: "status", role: "status" });
+  const found = h("div", { id: "steer-found" });
+  const form = h("form", { class: "card form", "aria-label": "Topic" },
+    field("Example texts of the topic", examples, "Or leave empty and pick training documents with SQL below."),
+    field("or training documents (SQL returning doc_id)", filter),
+    h("div", { class: "row" }, field("Prototypes to show", topN), submit, status));
+  root.append(h("h1", {}, "Steer"),
+    h("p", { class: "lede" }, "Find the prototypes that carry a topic (more activation per token on the examples than " +
+      "on the rest of the corpus), save them as a set, and see what generation does without them."), form, found);
+
+  form.addEventListener("submit", async (e) => {
+    e.preventDefault();
+    const texts = examples.value.split(/\n\s*\n/).map((t) => t.trim()).filter(Boolean);
+    const sql = filter.value.trim();
+    if (!texts.length && !sql) {
+      clear(found, errorBox(new Error("Paste example texts or give a SQL filter of documents.")));
+      return;
+    }
+    const topic = texts.length ? { texts } : { sql };
+    await busy(submit, status, "Discovering…", async () => {
+      try {
+        const res = await api("POST", "/v1/prototype-sets/discover",
+          { body: { topic, top_n: Number(topN.value), min_docs: texts.length === 1 ? 1 : 2 } });
+        showFound(found, res);
+      } catch (err) {
+        clear(found, errorBox(err));
+      }
+    });
+  });
+}
+
+function context(c) {
+  if (!c) return "";
+  return h("span", { class: "ctx" }, c.before.slice(-30), h("mark", {}, c.token), c.after.slice(0, 20));
+}
+
+function showFound(out, res) {
+  if (!res.prototypes.length) {
+    clear(out, h("p", { class: "muted", id: "steer-none" }, "No prototype is active often enough on these examples; " +
+      "give more or longer examples."));
+    return;
+  }
+  const boxes = res.prototypes.map((p, i) => h("input", { type: "checkbox", value: String(p.proto_id),
+    checked: i < PICKED, "aria-label": `use prototype ${p.proto_id}` }));
+  const rows = res.prototypes.map((p, i) => [boxes[i], protoLink(p.proto_id), p.label || "", `${num(p.ratio, 2)}×`,
+    pct(p.topic_share, 1), String(p.topic_support), String(p.topic_docs), context(p.contexts[0])]);
+  const name = h("input", { id: "steer-name", type: "text", required: true, pattern: "[A-Za-z0-9_.\\-]{1,64}", value: "topic" });
+  const save = h("button", { type: "submit", class: "primary" }, "Save set");
+  const saved = h("p", { class: "status", role: "status", id: "steer-saved" });
+  const prompt = h("textarea", { id: "steer-prompt", rows: 2, value: "The" });
+  const nNew = h("input", { id: "steer-new", type: "number", min: 1, max: 4096, value: 24 });
+  const temp = h("input", { id: "steer-temp", type: "number", min: 0, max: 10, step: 0.1, value: 1 });
+  const seed = h("input", { id: "steer-seed", type: "number", min: 0, value: 0 });
+  const compare = h("button", { type: "submit", disabled: true }, "Generate with and without");
+  const genStatus = h("p", { class: "status", role: "status" });
+  const genOut = h("div", { class: "compare-out" });
+  const chosen = () => boxes.filter((b) => b.checked).map((b) => Number(b.value));
+  const saveForm = h("form", { class: "row", "aria-label": "Save set" }, field("Set name", name), save, saved);
+  const genForm = h("form", { class: "card form", "aria-label": "Compare generations" }, field("Prompt", prompt),
+    h("div", { class: "row" }, field("New tokens", nNew), field("Temperature", temp), field("Seed", seed), compare, genStatus));
+  clear(out,
+    h("p", { class: "muted", id: "steer-summary" }, `Topic: ${res.topic.tokens} tokens of ${res.topic.documents} ` +
+      `${res.topic.source}; against ${res.contrast.source} (${res.contrast.tokens} tokens).`),
+    table(["use", "prototype", "label", "ratio", "share of topic", "tokens", "docs", "strongest topic context"], rows),
+    h("div", { class: "card" }, saveForm), genForm, genOut);
+
+  saveForm.addEventListener("submit", async (e) => {
+    e.preventDefault();
+    const ids = chosen();
+    if (!ids.length) { saved.textContent = "Tick at least one prototype."; return; }
+    await busy(save, saved, "Saving…", async () => {
+      try {
+        await api("PUT", `/v1/prototype-sets/${encodeURIComponent(name.value)}`,
+          { body: { prototypes: ids, description: `discovered from ${res.topic.source}` } });
+        saved.textContent = `Saved “${name.value}” (${ids.length} prototypes).`;
+        compare.disabled = false;
+      } catch (err) {
+        saved.textContent = "";
+        clear(genOut, errorBox(err));
+      }
+    });
+  });
+
+  genForm.addEventListener("submit", async (e) => {
+    e.preventDefault();
+    const base = { prompt: prompt.value, max_new_tokens: Number(nNew.value), temperature: Number(temp.value), seed: Number(seed.value) };
+    await busy(compare, genStatus, "Generating…", async () => {
+      try {
+        const [plain, supp] = await Promise.all([api("POST", "/v1/generate", { body: base }),
+          api("POST", "/v1/generate", { body: { ...base, suppress: name.value } })]);
+        showCompare(genOut, base.prompt, plain, supp);
+      } catch (err) {
+        clear(genOut, errorBox(err));
+      }
+    });
+  });
+}

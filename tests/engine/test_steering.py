@@ -1,0 +1,101 @@
+"""Prototype discovery: the ranking math, masses against the stored arrays read apart, texts against
+documents, and c-TF-IDF labels."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import numpy as np
+import pytest
+
+from prism_tda.engine import Attributor, layout
+from prism_tda.engine.steering import PrototypeMass, c_tf_idf_labels, mass_of_tokens, rank_prototypes
+from prism_tda.errors import QueryError
+
+
+@pytest.fixture(scope="module")
+def att(index):
+    return Attributor.open(index)
+
+
+def _mass(mass, support, docs, n_tokens, n_docs):
+    return PrototypeMass(np.asarray(mass, float), np.asarray(support), np.asarray(docs), n_tokens, n_docs)
+
+
+def test_ranking_prefers_specific_prototypes_and_needs_support():
+    K = 4
+    # prototype 0: 10x more mass per token on the topic; 1: as common on both; 2: topic-only on 2 tokens;
+    # 3: absent from the topic
+    topic = _mass([50, 10, 2, 0], [50, 10, 2, 0], [20, 5, 1, 0], 100, 20)
+    contrast = _mass([50, 100, 0, 300], [50, 100, 0, 300], [40, 80, 0, 90], 1000, 200)
+    got = rank_prototypes(topic, contrast, min_support=5, min_docs=2)
+    assert [d.proto_id for d in got] == [0, 1]  # 2 lacks support, 3 never shows on the topic
+    assert got[0].score == pytest.approx(np.log((0.5 + 0.5 / 100) / (0.05 + 0.5 / 1000)), rel=1e-9)
+    assert got[0].topic_share == pytest.approx(50 / 62) and got[0].topic_support == 50
+    assert len(rank_prototypes(topic, contrast, min_support=1, min_docs=1)) == 3
+    with pytest.raises(QueryError):
+        rank_prototypes(PrototypeMass.empty(K), contrast)
+
+
+def test_mass_of_tokens_counts_mass_support_documents_and_contexts():
+    protos = np.array([[0, 1], [0, 2], [1, 2], [0, 1]])
+    acts = np.array([[0.5, 0.2], [0.3, 0.0], [0.4, 0.1], [0.9, 0.6]], dtype=np.float32)
+    doc = np.array([0, 0, 1, 2])
+    m = mass_of_tokens(protos, acts, doc, 3, np.arange(4) + 100)
+    np.testing.assert_allclose(m.mass, [1.7, 1.2, 0.1], rtol=1e-6)
+    assert m.support.tolist() == [3, 3, 1] and m.docs.tolist() == [2, 3, 1]  # an inactive slot counts nothing
+    assert [w for _, w in m.top[0]] == [103, 100, 101] and m.top[0][0][0] == pytest.approx(0.9)
+
+
+def test_document_mass_equals_the_stored_arrays_read_apart(att, index):
+    """The mass the shards report for some documents equals a sum over the shard files themselves."""
+    docs = np.arange(0, att.reader.n_docs, 3)
+    got = att.shards.prototype_mass(docs)
+    K = att.model.cfg.n_prototypes
+    mass, support, n_tok = np.zeros(K), np.zeros(K, np.int64), 0
+    m = layout.read_manifest(index)
+    doc0 = 0
+    want = set(docs.tolist())
+    for sh in m.shards:
+        d = layout.shard_dir(index, sh.unit)
+        protos, acts_q = np.load(d / "protos.npy"), np.load(d / "acts.npy")
+        tok0, seq_doc = np.load(d / "seq_tok0.npy"), np.load(d / "seq_doc.npy")
+        for s in range(sh.n_seqs):
+            if doc0 + int(seq_doc[s]) not in want:
+                continue
+            for t in range(tok0[s], tok0[s + 1]):
+                n_tok += 1
+                for p, q in zip(protos[t], acts_q[t], strict=True):
+                    a = att.reader.act_table[int(p), int(q)]
+                    if a > 0:
+                        mass[int(p)] += a
+                        support[int(p)] += 1
+        doc0 += sh.n_docs
+    assert got.n_tokens == n_tok and got.n_docs == len(docs)
+    np.testing.assert_allclose(got.mass, mass, rtol=1e-5, atol=1e-6)
+    assert np.array_equal(got.support, support)
+
+
+def test_texts_of_documents_find_what_the_documents_find(att):
+    """A topic given as the documents' own texts (recomputed by the model) ranks like the documents
+    (read from the stored, quantised activations)."""
+    docs = [d for d in range(att.reader.n_docs) if att.reader.document(d)["external_id"].startswith("art/")][:60]
+    texts = [att.reader.document(d)["text"] for d in docs]
+    by_docs, m_docs, _, what = att.discover(topic_docs=np.array(docs), n=10)
+    by_text, m_text, _, _ = att.discover(topic_texts=texts, n=10)
+    assert what == "the rest of the corpus"
+    assert m_docs.n_tokens > 0 and m_text.n_tokens > 0  # the indexer's windows and the texts' are cut differently
+    top_d, top_t = [d.proto_id for d in by_docs], [d.proto_id for d in by_text]
+    assert len(set(top_d[:5]) & set(top_t[:10])) >= 4
+    with pytest.raises(QueryError, match="topic"):
+        att.discover()
+    with pytest.raises(QueryError, match="out of range"):
+        att.discover(topic_docs=np.array([att.reader.n_docs + 5]))
+
+
+def test_c_tf_idf_labels_name_each_class_by_its_own_words():
+    classes = {0: Counter({"cat": 5, "the": 9, "purr": 3}), 1: Counter({"dog": 6, "the": 9, "bark": 2}),
+               2: Counter({"the": 9, "cat": 1, "dog": 1})}
+    labels = c_tf_idf_labels(classes, n_words=2)
+    assert labels[0] == ["cat", "purr"] and labels[1] == ["dog", "bark"]
+    assert labels[2][0] == "the"  # nothing of its own: the common word is all it has
