@@ -215,6 +215,8 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--new-tokens", type=int, default=40)
     ap.add_argument("--sizes", type=int, nargs="+", default=SIZES)
     ap.add_argument("--ppl-docs", type=int, default=400, help="validation documents of other categories for perplexity")
+    ap.add_argument("--measure", default="activation", choices=["activation", "logit"],
+                    help="what a token counts for a prototype in discovery (engine/steering.py)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default="bench/results/steering.json")
     ap.add_argument("--plot", default="docs/img/steering.png")
@@ -244,8 +246,11 @@ def main(argv: list[str] | None = None) -> dict:
         raise SystemExit(f"--topic {args.topic}: no document id starts with '{args.topic}/'")
     # 2. discovery from half of the topic's training documents, against the other training documents
     t_disc = time.perf_counter()
-    m_topic = att.shards.prototype_mass(ids[topic & trained & half])
-    m_rest = att.shards.prototype_mass(ids[~topic & trained])
+    from prism_tda.engine.steering import signature_matrix
+
+    sig = signature_matrix(model) if args.measure == "logit" else None
+    m_topic = att.shards.prototype_mass(ids[topic & trained & half], args.measure, sig)
+    m_rest = att.shards.prototype_mass(ids[~topic & trained], args.measure, sig)
     found = rank_prototypes(m_topic, m_rest, n=max(args.sizes))
     disc_s = time.perf_counter() - t_disc
     ranked = [d.proto_id for d in found]
@@ -294,7 +299,7 @@ def main(argv: list[str] | None = None) -> dict:
     ctrl = next(r for r in curve["random"] if r["size"] == head["size"])
     rate_b = float(base["on"].mean())
     res = {
-        "topic": args.topic, "index": str(Path(args.index).resolve()), "prototypes_in_bank": K,
+        "topic": args.topic, "measure": args.measure, "index": str(Path(args.index).resolve()), "prototypes_in_bank": K,
         "why_topic": ("picked by --topic auto: the category (>= 3% of documents) whose discovered top 10 carry the "
                       "largest share of its activation mass, from discovery's evidence only") if choice else "given",
         "topic_choice_top10_share": choice,

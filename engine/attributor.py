@@ -44,7 +44,7 @@ from .scoring import (
     rank_documents,
 )
 from .shards import CallContext, LocalShards, ShardSet
-from .steering import Discovered, PrototypeMass, rank_prototypes, text_mass
+from .steering import MEASURES, Discovered, PrototypeMass, rank_prototypes, signature_matrix, text_mass
 
 if TYPE_CHECKING:
     from .cluster import ClusterSpec
@@ -215,10 +215,17 @@ class Attributor:
     def discover(self, *, topic_texts: list[str] | None = None, topic_docs: np.ndarray | None = None,
                  contrast_texts: list[str] | None = None, contrast_docs: np.ndarray | None = None,
                  include_untrained: bool = False, n: int = 20, min_support: int = 5, min_docs: int = 2,
-                 smoothing: float = 0.5) -> tuple[list[Discovered], PrototypeMass, PrototypeMass, str]:
+                 smoothing: float = 0.5, measure: str = "activation",
+                 ) -> tuple[list[Discovered], PrototypeMass, PrototypeMass, str]:
         """Prototypes ranked by how specifically they carry a topic given by example texts or documents
         of the index (``engine/steering.py``), against contrast texts or documents, or by default the
-        rest of the corpus; returns (ranked, topic mass, contrast mass, what the contrast was)."""
+        rest of the corpus; returns (ranked, topic mass, contrast mass, what the contrast was).
+        ``measure``: what a token counts for a prototype, its activation (the corpus's totals are
+        stored) or its positive share of the next token's logit (the default contrast is then read
+        from every shard: a pass over the corpus)."""
+        if measure not in MEASURES:
+            raise QueryError(f"measure: must be one of {list(MEASURES)}, got {measure!r}")
+        sig = signature_matrix(self.model) if measure == "logit" else None
         if (topic_texts is None) == (topic_docs is None):
             raise QueryError("topic: give example texts or documents (one of them)")
         if contrast_texts is not None and contrast_docs is not None:
@@ -233,19 +240,24 @@ class Attributor:
                 docs = docs[self.reader.trained(docs)]
             if not len(docs):
                 raise QueryError(f"{field}: no trained document given (include_untrained to use the others)")
-            return self.shards.prototype_mass(docs)
+            return self.shards.prototype_mass(docs, measure, sig)
+
+        def corpus() -> PrototypeMass:
+            if measure == "activation":
+                return self.corpus_mass()
+            return self.shards.prototype_mass(np.arange(self.reader.n_docs), measure, sig)
 
         with torch.no_grad():
-            topic = (text_mass(self.model, self.tokenizer, topic_texts) if topic_texts is not None
+            topic = (text_mass(self.model, self.tokenizer, topic_texts, measure=measure) if topic_texts is not None
                      else docs_mass(np.asarray(topic_docs), "topic.doc_ids"))
             if contrast_texts is not None:
-                contrast, what = text_mass(self.model, self.tokenizer, contrast_texts), "texts"
+                contrast, what = text_mass(self.model, self.tokenizer, contrast_texts, measure=measure), "texts"
             elif contrast_docs is not None:
                 contrast, what = docs_mass(np.asarray(contrast_docs), "contrast.doc_ids"), "documents"
             elif topic_docs is not None:
-                contrast, what = self.corpus_mass() - topic, "the rest of the corpus"
+                contrast, what = corpus() - topic, "the rest of the corpus"
             else:
-                contrast, what = self.corpus_mass(), "the corpus"
+                contrast, what = corpus(), "the corpus"
         ranked = rank_prototypes(topic, contrast, min_support=min_support, min_docs=min_docs, smoothing=smoothing, n=n)
         return ranked, topic, contrast, what
 

@@ -236,8 +236,10 @@ class RayShards:
                            for g, s in self.split(np.unique(seqs), self.seq_base).items()}, ctx)
         return merge_shortlists(list(parts.values()), n, -1.0 if opponents else 1.0)
 
-    def prototype_mass(self, docs: np.ndarray) -> PrototypeMass:
-        parts = self.call({g: ("prototype_mass", (d,), {}) for g, d in self.split(np.unique(docs), self.doc_base).items()})
+    def prototype_mass(self, docs: np.ndarray, measure: str = "activation",
+                       signature: torch.Tensor | None = None) -> PrototypeMass:
+        parts = self.call({g: ("prototype_mass", (d, measure, signature), {})
+                           for g, d in self.split(np.unique(docs), self.doc_base).items()})
         out = PrototypeMass.empty(int(next(iter(parts.values())).mass.shape[0])) if parts else None
         if out is None:
             raise PrismError(f"{self.dir}: no documents given")

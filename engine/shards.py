@@ -28,7 +28,7 @@ import torch
 from .candidates import PostingPlan, best_posting_tokens
 from .reader import IndexReader
 from .scoring import Preconditioner, approx_scores, ranked_documents, trained_only
-from .steering import PrototypeMass, mass_of_tokens
+from .steering import PrototypeMass, mass_of_tokens, token_weights
 from .types import Aggregation
 
 
@@ -231,9 +231,11 @@ class ShardWorker:
     def top_contexts(self, proto: int, n: int) -> list[tuple[int, float]]:
         return self.reader.top_contexts(int(proto), int(n))
 
-    def prototype_mass(self, docs: np.ndarray, chunk: int = 1 << 18) -> PrototypeMass:
-        """The activation mass of the documents ``docs`` (all in this worker's shards), from the stored
-        activations; ``where`` of a token is its global row."""
+    def prototype_mass(self, docs: np.ndarray, measure: str = "activation", signature: torch.Tensor | None = None,
+                       chunk: int = 1 << 18) -> PrototypeMass:
+        """The mass of the documents ``docs`` (all in this worker's shards) under ``measure``
+        (``engine/steering.py``: activation, or the positive logit share with the (K, V) ``signature``),
+        from the stored activations; ``where`` of a token is its global row."""
         t0, started = time.perf_counter(), time.time()
         r = self.reader
         rows = r.rows_of_documents(np.asarray(docs, np.int64))
@@ -241,7 +243,8 @@ class ShardWorker:
         for b in range(0, len(rows), chunk):
             part = rows[b : b + chunk]
             data = r.token_data(part)
-            out = out + mass_of_tokens(data.protos, data.acts, r.doc_of_seqs(r.seq_of_tokens(part)), r.n_prototypes,
+            weights = token_weights(data.protos, data.acts, data.targets, measure, signature)
+            out = out + mass_of_tokens(data.protos, weights, r.doc_of_seqs(r.seq_of_tokens(part)), r.n_prototypes,
                                        part)
         out.n_docs = len(np.unique(docs))
         self._done("prototype_mass", t0, started, len(rows))
@@ -282,7 +285,8 @@ class ShardSet(Protocol):
                   opponents: bool, n: int, m: int | None, match: bool, include_untrained: bool,
                   ctx: CallContext | None = None) -> Shortlist: ...
 
-    def prototype_mass(self, docs: np.ndarray) -> PrototypeMass: ...
+    def prototype_mass(self, docs: np.ndarray, measure: str = "activation",
+                       signature: torch.Tensor | None = None) -> PrototypeMass: ...
 
     def close(self) -> None: ...
 
@@ -313,8 +317,9 @@ class LocalShards:
                                      include_untrained=include_untrained)
         return merge_shortlists([part], n, -1.0 if opponents else 1.0)
 
-    def prototype_mass(self, docs: np.ndarray) -> PrototypeMass:
-        return self.worker.prototype_mass(docs)
+    def prototype_mass(self, docs: np.ndarray, measure: str = "activation",
+                       signature: torch.Tensor | None = None) -> PrototypeMass:
+        return self.worker.prototype_mass(docs, measure, signature)
 
     def close(self) -> None:
         pass

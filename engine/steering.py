@@ -65,10 +65,25 @@ class PrototypeMass:
 TOP = 5  # strongest contexts kept per prototype
 
 
+MEASURES = ("activation", "logit")
+
+
+def token_weights(protos: np.ndarray, acts: np.ndarray, targets: np.ndarray, measure: str,
+                  signature: torch.Tensor | None) -> np.ndarray:
+    """What each active slot counts (n, k): its activation, or (``logit``) the positive part of its
+    share of the logit of the token that follows, ``a_{t,i} (W p_i)_{y_t}`` (the per-token view)."""
+    if measure == "activation":
+        return acts
+    if measure != "logit" or signature is None:
+        raise QueryError(f"measure: must be one of {list(MEASURES)}, got {measure!r}")
+    s = signature[torch.from_numpy(np.asarray(protos, np.int64)), torch.from_numpy(np.asarray(targets, np.int64))[:, None]]
+    return np.where(acts > 0, np.maximum(acts * s.numpy(), 0.0), 0.0).astype(np.float32)
+
+
 def mass_of_tokens(protos: np.ndarray, acts: np.ndarray, doc: np.ndarray, K: int, where: list | np.ndarray,
                    *, keep_top: bool = True) -> PrototypeMass:
-    """The mass of tokens with active prototypes ``protos`` (n, k), activations ``acts`` (n, k), the
-    document of each (n,), and each token's place ``where`` (n,)."""
+    """The mass of tokens with active prototypes ``protos`` (n, k), activations (or other non-negative
+    weights) ``acts`` (n, k), the document of each (n,), and each token's place ``where`` (n,)."""
     live = acts > 0
     p, a = protos[live], acts[live].astype(np.float64)
     mass = np.bincount(p, weights=a, minlength=K)
@@ -91,7 +106,8 @@ def mass_of_tokens(protos: np.ndarray, acts: np.ndarray, doc: np.ndarray, K: int
 
 
 @torch.no_grad()
-def text_mass(model: PRISM, tokenizer: Tokenizer, texts: list[str], *, batch_size: int = 16) -> PrototypeMass:
+def text_mass(model: PRISM, tokenizer: Tokenizer, texts: list[str], *, batch_size: int = 16,
+              measure: str = "activation") -> PrototypeMass:
     """The mass of example texts, each cut into windows of the model's context; ``where`` of a token
     is (text index, token position in the text)."""
     K, T = model.cfg.n_prototypes, model.cfg.block_size
@@ -103,6 +119,7 @@ def text_mass(model: PRISM, tokenizer: Tokenizer, texts: list[str], *, batch_siz
         for s in range(0, len(ids) - 1, T):
             windows.append((i, s, ids[s : s + T + 1]))
     out = PrototypeMass.empty(K)
+    sig = signature_matrix(model) if measure == "logit" else None
     pairs = []  # (prototype, text) of every active slot: a text's windows may fall in several batches
     for b in range(0, len(windows), batch_size):
         chunk = windows[b : b + batch_size]
@@ -110,7 +127,8 @@ def text_mass(model: PRISM, tokenizer: Tokenizer, texts: list[str], *, batch_siz
         row, pos = tb.row.numpy(), tb.pos.numpy()
         of_text = np.array([chunk[r][0] for r in row], dtype=np.int64)
         where = [(int(of_text[j]), int(chunk[row[j]][1] + pos[j])) for j in range(len(row))]
-        protos, acts = tb.proto_idx.numpy(), tb.acts.float().numpy()
+        protos = tb.proto_idx.numpy()
+        acts = token_weights(protos, tb.acts.float().numpy(), tb.targets.numpy(), measure, sig)
         out = out + mass_of_tokens(protos, acts, of_text, K, where)
         live = acts > 0
         pairs.append(np.stack([protos[live], np.broadcast_to(of_text[:, None], protos.shape)[live]], 1))
@@ -118,6 +136,12 @@ def text_mass(model: PRISM, tokenizer: Tokenizer, texts: list[str], *, batch_siz
     out.docs = np.bincount(both[:, 0], minlength=K).astype(np.int64)
     out.n_docs = len(texts)
     return out
+
+
+def signature_matrix(model: PRISM) -> torch.Tensor:
+    """(K, V) every prototype's token-logit signature ``W p_i``."""
+    assert model.head is not None, "a PRISM model has prototypes; the dense baseline has none"
+    return (model.head.prototypes.float() @ model.W.float().T).detach()
 
 
 @dataclass

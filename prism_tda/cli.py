@@ -358,7 +358,7 @@ def cmd_discover(args: argparse.Namespace) -> int:
     att = Attributor.open(index_dir)
     res = discover_report(att, Catalog(att.reader, att.model, att.tokenizer), topic=topic, contrast=contrast, top_n=args.top,
                           min_support=args.min_support, min_docs=args.min_docs, smoothing=args.smoothing,
-                          include_untrained=args.include_untrained, contexts=args.contexts)
+                          include_untrained=args.include_untrained, contexts=args.contexts, measure=args.measure)
     if args.json:
         print(json.dumps(res, indent=2))
         return 0
@@ -533,6 +533,9 @@ def build_parser() -> argparse.ArgumentParser:
     dv.add_argument("--smoothing", type=float, default=0.5, help="tokens of mean activation added to both sides")
     dv.add_argument("--contexts", type=int, default=3, help="topic contexts per prototype (JSON output)")
     dv.add_argument("--include-untrained", action="store_true", help="also count documents not trained on")
+    dv.add_argument("--measure", choices=["activation", "logit"], default="activation",
+                    help="what a token counts for a prototype: its activation (default) or its positive share of "
+                         "the next token's logit")
     dv.add_argument("--json", action="store_true")
     dv.set_defaults(fn=cmd_discover)
 

@@ -137,7 +137,7 @@ def _close_parts(sql: SqlPool, attributor: Attributor) -> None:
 
 def discover_report(att: Attributor, catalog: Catalog, *, topic: dict[str, Any], contrast: dict[str, Any] | None,
                     top_n: int = 20, min_support: int = 5, min_docs: int = 2, smoothing: float = 0.5,
-                    include_untrained: bool = False, contexts: int = 3) -> dict[str, Any]:
+                    include_untrained: bool = False, contexts: int = 3, measure: str = "activation") -> dict[str, Any]:
     """Prototypes that carry a topic (``engine/steering.py``), with evidence; for the API and the CLI.
     ``topic``/``contrast``: {"texts": [...]} or {"doc_ids": [...]} (SQL resolved to ids by the caller)."""
     tok = att.tokenizer
@@ -145,7 +145,7 @@ def discover_report(att: Attributor, catalog: Catalog, *, topic: dict[str, Any],
         topic_texts=topic.get("texts"), topic_docs=topic.get("doc_ids"),
         contrast_texts=(contrast or {}).get("texts"), contrast_docs=(contrast or {}).get("doc_ids"),
         include_untrained=include_untrained, n=top_n, min_support=min_support, min_docs=min_docs,
-        smoothing=smoothing)
+        smoothing=smoothing, measure=measure)
     texts = topic.get("texts")
     encoded = [tok.encode(t).ids for t in texts] if texts is not None else None
     out = []
@@ -170,7 +170,7 @@ def discover_report(att: Attributor, catalog: Catalog, *, topic: dict[str, Any],
                     "topic_support": d.topic_support, "topic_docs": d.topic_docs,
                     "contrast_support": d.contrast_support, "contexts": ctx})
     t_src = "texts" if texts is not None else "documents"
-    return {"topic": {"source": t_src, "tokens": t_mass.n_tokens, "documents": t_mass.n_docs},
+    return {"measure": measure, "topic": {"source": t_src, "tokens": t_mass.n_tokens, "documents": t_mass.n_docs},
             "contrast": {"source": what, "tokens": c_mass.n_tokens, "documents": c_mass.n_docs},
             "prototypes": out}
 

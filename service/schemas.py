@@ -325,6 +325,10 @@ class DiscoverRequest(Strict):
                                                             "ratio, so that rare prototypes do not win on chance.")
     include_untrained: bool = Field(False, description="Also count documents the checkpoint did not train on.")
     contexts: int = Field(3, ge=0, le=5, description="Strongest topic contexts shown per prototype.")
+    measure: Literal["activation", "logit"] = Field(
+        "activation", description="What a token counts for a prototype: its activation, or its positive share of "
+                                  "the next token's logit `a_i (W p_i)_y` (the per-token view; the default contrast "
+                                  "then takes a pass over the corpus).")
 
 
 class DiscoveredContext(BaseModel):
@@ -356,6 +360,7 @@ class MassSummary(BaseModel):
 
 class DiscoverResponse(BaseModel):
     index: str
+    measure: str
     topic: MassSummary
     contrast: MassSummary
     prototypes: list[DiscoveredPrototype]

@@ -92,7 +92,7 @@ async def discover_prototypes(body: DiscoverRequest, services: ServicesDep, prin
     contrast = await _doc_ids(services, ix, body.contrast, "contrast", principal)
     out = await services.run(ix, ix.discover, topic=topic, contrast=contrast, top_n=body.top_n,
                              min_support=body.min_support, min_docs=body.min_docs, smoothing=body.smoothing,
-                             include_untrained=body.include_untrained, contexts=body.contexts)
+                             include_untrained=body.include_untrained, contexts=body.contexts, measure=body.measure)
     return DiscoverResponse(index=ix.name, **out)
 
 

@@ -99,3 +99,24 @@ def test_c_tf_idf_labels_name_each_class_by_its_own_words():
     labels = c_tf_idf_labels(classes, n_words=2)
     assert labels[0] == ["cat", "purr"] and labels[1] == ["dog", "bark"]
     assert labels[2][0] == "the"  # nothing of its own: the common word is all it has
+
+
+def test_logit_measure_is_the_per_token_view(att):
+    """The logit measure of a text equals the sum, over its tokens, of each prototype's positive share
+    of the next token's logit as the model's own decomposition gives it."""
+    import torch
+
+    text = att.reader.document(3)["text"]
+    got = att.discover(topic_texts=[text], min_support=1, min_docs=1, n=1000, measure="logit")[1]
+    ids_all, T = att.tokenizer.encode(text).ids, att.model.cfg.block_size
+    want = np.zeros(att.model.cfg.n_prototypes)
+    for s in range(0, len(ids_all) - 1, T):  # the model's context at a time
+        ids = ids_all[s : s + T + 1]
+        with torch.no_grad():
+            dec = att.model.decompose(torch.tensor(ids[:-1]), tokens=torch.tensor(ids[1:]))
+        for t in range(len(ids) - 1):
+            for p, c in zip(dec.proto_idx[t].tolist(), dec.contrib[t].tolist(), strict=True):
+                want[p] += max(c, 0.0)
+    np.testing.assert_allclose(got.mass, want, rtol=1e-3, atol=1e-4)
+    with pytest.raises(QueryError, match="measure"):
+        att.discover(topic_texts=[text], measure="nonsense")
