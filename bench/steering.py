@@ -15,8 +15,8 @@ On the demo corpus (the fortunes; each document's id starts with its category) a
 3. **Topic classifier** trained on documents discovery did not see: the other half of the topic's
    training documents and its validation documents (positives); the other categories' validation
    documents and as many of their training documents (negatives). Logistic regression on word
-   counts (TF-IDF), classes weighted to balance, decision threshold fixed at 0.5; accuracy,
-   precision and recall by 5-fold cross-validation.
+   counts (TF-IDF; each word as written and lower-cased), classes weighted to balance, decision
+   threshold fixed at 0.5; accuracy, precision and recall by 5-fold cross-validation.
 4. **Generations**: ``--prompts`` neutral openings x ``--samples`` seeded samples each (temperature 1,
    top 40, ``--new-tokens`` tokens), the same seeds with and without suppression; a generation is
    on the topic when the classifier says so.
@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import re
 import sys
 import time
 from collections import Counter
@@ -50,7 +51,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from _common import finish, index_documents  # noqa: E402
 
 from prism_tda.engine import Attributor  # noqa: E402
-from prism_tda.engine.steering import rank_prototypes, words  # noqa: E402
+from prism_tda.engine.steering import rank_prototypes  # noqa: E402
 from prism_tda.model.tokenizer import eos_id  # noqa: E402
 
 PROMPTS = ["The", "I", "You", "A man", "My", "When", "There is", "It is", "Never", "Life is", "If you", "Why",
@@ -62,6 +63,16 @@ SIZES = [1, 2, 5, 10, 20, 50]
 
 
 # ---------------------------------------------------------------------------- classifier
+WORD = re.compile(r"[A-Za-z][A-Za-z'\-]{2,}")
+
+
+def features(text: str) -> list[str]:
+    """Each word as written and lower-cased: a topic is style (capitals) as well as vocabulary. (Chosen
+    on the classifier's own cross-validated accuracy: 0.846 against 0.832 lower-cased only, zippy.)"""
+    found = [m.group(0) for m in WORD.finditer(text)]
+    return found + ["_" + w.lower() for w in found]
+
+
 class TopicClassifier:
     """Logistic regression on TF-IDF word counts (torch, L2, balanced classes)."""
 
@@ -71,7 +82,7 @@ class TopicClassifier:
     def _x(self, texts: list[str]) -> torch.Tensor:
         X = torch.zeros(len(texts), len(self.vocab))
         for i, t in enumerate(texts):
-            for w, c in Counter(words(t)).items():
+            for w, c in Counter(features(t)).items():
                 j = self.vocab.get(w)
                 if j is not None:
                     X[i, j] = 1 + math.log(c)
@@ -81,7 +92,7 @@ class TopicClassifier:
     def fit(self, texts: list[str], y: np.ndarray) -> TopicClassifier:
         df: Counter = Counter()
         for t in texts:
-            df.update(set(words(t)))
+            df.update(set(features(t)))
         self.vocab = {w: i for i, w in enumerate(sorted(w for w, c in df.items() if c >= self.vocab_min))}
         n = len(texts)
         self.idf = torch.tensor([math.log((1 + n) / (1 + df[w])) + 1 for w in sorted(self.vocab, key=self.vocab.get)])

@@ -205,11 +205,12 @@ def prototype_labels(reader, model: PRISM, tokenizer: Tokenizer, *, n_contexts: 
             lo, _, _ = reader.seq_span(seq)
             ids, _ = reader.sequence_tokens(seq)
             pos = row - lo
-            here = words(tokenizer.decode(ids[max(0, pos - 1): pos + 2]))  # the word the token is part of
-            c.update(here)
-            c.update(here)
-            c.update(words(tokenizer.decode(ids[max(0, pos - 4): max(0, pos - 1)]) + " "
-                           + tokenizer.decode(ids[pos + 2: pos + 5])))
+            a, b = max(0, pos - 6), min(len(ids), pos + 6)
+            start, end = len(tokenizer.decode(ids[a:pos])), len(tokenizer.decode(ids[a : pos + 1]))
+            for m in WORD.finditer(tokenizer.decode(ids[a:b])):
+                for w in words(m.group(0)):
+                    # the whole word the token is part of counts double; its neighbours once
+                    c[w] += 2 if m.start() < end and m.end() > start else 1
         c.update(words(" ".join(tokenizer.decode([int(t)]) for t in sig[p].tolist())))
         classes[p] = c
     return {p: " ".join(ws) for p, ws in c_tf_idf_labels(classes, n_words).items() if ws}
