@@ -243,3 +243,18 @@ def test_steer_discover_save_and_compare(page, web_live):
     suppressed = page.locator(".gen.suppressed .gen-text").inner_text()
     body = {"prompt": PROMPT, "max_new_tokens": 8, "suppress": "art-web", "temperature": 0, "seed": 0}
     assert suppressed == PROMPT + httpx.post(web_live.url + "/v1/generate", json=body, timeout=60).json()["completion"]
+
+
+def test_prototypes_are_searchable_by_label(page, web_live):
+    first = httpx.get(web_live.url + "/v1/prototypes", params={"limit": 1}, timeout=60).json()["prototypes"][0]
+    assert first["label"], first
+    word = first["label"].split()[0]
+    page.goto(web_live.url + "/#/prototypes")
+    page.fill("#proto-q", word)
+    page.get_by_role("button", name="Search").click()
+    page.wait_for_url(re.compile(r"q=" + re.escape(word)))
+    page.locator("#proto-count", has_text="of").wait_for()
+    links = page.locator("main table a").all_inner_texts()
+    assert links and any(f"prototype {first['proto_id']} " in t for t in links)
+    api = httpx.get(web_live.url + "/v1/prototypes", params={"q": word, "limit": 25}, timeout=60).json()
+    assert len(links) == len(api["prototypes"])

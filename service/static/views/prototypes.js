@@ -9,24 +9,30 @@ const PAGE = 25;
 export async function renderList(root, { params }) {
   const order = params.get("order") || "mass";
   const offset = Math.max(0, Number(params.get("offset")) || 0);
+  const q = params.get("q") || "";
+  const search = h("input", { id: "proto-q", type: "search", value: q, placeholder: "e.g. orchestra", spellcheck: "false" });
+  const find = h("form", { class: "row inline", role: "search", "aria-label": "Search prototypes by label",
+    onsubmit: (e) => { e.preventDefault(); location.hash = hashLink("prototypes", { order, ...(search.value.trim() ? { q: search.value.trim() } : {}) }); } },
+  field("Label or token", search), h("button", { type: "submit" }, "Search"));
   const goId = h("input", { id: "proto-go", type: "number", min: 0, placeholder: "id" });
   const go = h("form", { class: "row inline", "aria-label": "Open a prototype",
     onsubmit: (e) => { e.preventDefault(); if (goId.value !== "") location.hash = `#/prototype/${Number(goId.value)}`; } },
   field("Open prototype", goId), h("button", { type: "submit" }, "Open"));
-  const orderSel = h("select", { id: "proto-order", onchange: () => { location.hash = hashLink("prototypes", { order: orderSel.value }); } },
+  const orderSel = h("select", { id: "proto-order", onchange: () => { location.hash = hashLink("prototypes", { order: orderSel.value, ...(q ? { q } : {}) }); } },
     ["mass", "n_tokens", "proto_id"].map((o) => h("option", { value: o, selected: o === order },
       { mass: "activation mass", n_tokens: "tokens", proto_id: "id" }[o])));
   const body = h("div", {}, h("p", { class: "muted", role: "status" }, "Loading…"));
   root.append(h("h1", {}, "Prototypes"),
     h("p", { class: "lede" }, "Each prototype is a direction the model reads its next token from; " +
       "open one to see what it stands for."),
-    h("div", { class: "row" }, go, field("Order by", orderSel)), body);
+    h("div", { class: "row" }, go, find, field("Order by", orderSel)), body);
   try {
-    const res = await api("GET", "/v1/prototypes", { query: { order, limit: PAGE, offset } });
+    const extra = q ? { q } : {};
+    const res = await api("GET", "/v1/prototypes", { query: { order, limit: PAGE, offset, ...extra } });
     const pager = h("nav", { class: "pager", "aria-label": "Pages" },
-      offset > 0 ? h("a", { href: hashLink("prototypes", { order, offset: Math.max(0, offset - PAGE) }) }, "← previous") : null,
-      h("span", { class: "muted" }, `${offset + 1}–${offset + res.prototypes.length} of ${res.total}`),
-      offset + PAGE < res.total ? h("a", { href: hashLink("prototypes", { order, offset: offset + PAGE }) }, "next →") : null);
+      offset > 0 ? h("a", { href: hashLink("prototypes", { order, ...extra, offset: Math.max(0, offset - PAGE) }) }, "← previous") : null,
+      h("span", { class: "muted", id: "proto-count" }, res.total ? `${offset + 1}–${offset + res.prototypes.length} of ${res.total}` : "No prototype matches."),
+      offset + PAGE < res.total ? h("a", { href: hashLink("prototypes", { order, ...extra, offset: offset + PAGE }) }, "next →") : null);
     clear(body, table(["Prototype", "Tokens", "Activation mass", "Mean activation", "Signature"],
       res.prototypes.map((p) => [protoLink(p.proto_id, `prototype ${p.proto_id}${p.label ? ` (${p.label})` : ""}`),
         p.n_tokens.toLocaleString(), num(p.mass, 1), num(p.mean_act),
