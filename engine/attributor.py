@@ -131,7 +131,8 @@ class Attributor:
               ctx: CallContext | None = None) -> tuple[TokenScores, int, list]:
         t0 = time.perf_counter()
         seqs = self.candidate_sequences(q, opt.n_candidates, opt.damping, opt.nprobe, ctx)
-        self._candidates_ms = 1e3 * (time.perf_counter() - t0)
+        if ctx is not None:
+            ctx.candidates_ms = 1e3 * (time.perf_counter() - t0)
         # the shortlist ranks the approximate scores (cosine_match: by the whole target's best token)
         shortlist_by = "cosine_max" if opt.aggregation == "cosine_match" else opt.aggregation
         m = opt.exact_tokens if opt.aggregation.endswith("_max") else None
@@ -184,7 +185,6 @@ class Attributor:
         t0 = time.perf_counter()
         q = self.encode(spec)
         t1 = time.perf_counter()
-        self._candidates_ms = 0.0
         ctx = CallContext(partial=opt.allow_partial)
         if opt.mode == "fast":
             scores, n_scored, ranked = self._fast(q, opt, pre, ctx)
@@ -194,7 +194,7 @@ class Attributor:
         docs = [scored_document(self.reader, self.tokenizer, scores, best, score, rank, opponents=opt.opponents)
                 for rank, (best, score) in enumerate(ranked, 1)]
         t4 = time.perf_counter()
-        cand = self._candidates_ms
+        cand = ctx.candidates_ms
         ms = Timings(1e3 * (t1 - t0), cand, 1e3 * (t3 - t1) - cand, 1e3 * (t4 - t3), 1e3 * (t4 - t0))
         return Attribution(opt.mode, opt.aggregation, pre.damping, q.info(), docs, q.per_token, ms, int(n_scored),
                            sorted(ctx.missing))

@@ -107,6 +107,7 @@ class CallContext:
 
     partial: bool = False
     missing: set[int] = field(default_factory=set)
+    candidates_ms: float = 0.0  # the first stages' time (the answer's timings)
 
 
 @dataclass
