@@ -77,3 +77,14 @@ def index(tiny_ckpt, tiny_corpus, tmp_path_factory) -> Path:
     return out
 
 
+
+
+@pytest.fixture(scope="module")
+def local_ray():
+    """A Ray cluster on this machine for one test module. 2 cores: actors take half a CPU each
+    (whole-CPU actors would wait for each other)."""
+    ray = pytest.importorskip("ray")
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, namespace="prism-test",
+             object_store_memory=96 * 1024**2)
+    yield ray
+    ray.shutdown()

@@ -26,14 +26,6 @@ OPTIONS = [QueryOptions(n_documents=8), QueryOptions(n_documents=8, aggregation=
                                                                      exact_rerank=4, n_candidates=16)]
 
 
-@pytest.fixture(scope="module")
-def local_ray():
-    # 2 cores: actors take half a CPU each (whole-CPU actors would wait for each other)
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, namespace="prism-test",
-             object_store_memory=96 * 1024**2)
-    yield
-    ray.shutdown()
-
 
 @pytest.fixture(scope="module")
 def single(index):

@@ -20,13 +20,6 @@ QUERIES = [{"prompt": "A computer", "completion": " is a machine", "top_k": 6},
            {"prompt": "A computer", "completion": " is a", "top_k": 4, "mode": "exact"}]
 
 
-@pytest.fixture(scope="module")
-def local_ray():
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, namespace="prism-test",
-             object_store_memory=96 * 1024**2)
-    yield
-    ray.shutdown()
-
 
 def _answer(body: dict) -> list[tuple]:
     return [(d["doc_id"], round(d["score"], 6), d["token_row"], d["snippet"]) for d in body["documents"]]
