@@ -79,6 +79,7 @@ class Attributor:
         self.exact_token_limit = exact_token_limit
         self.encoder = QueryEncoder(self.model, self.tokenizer, self.reader.curv.Q, self.reader.curv.u_dim)
         self._pre: dict[float, Preconditioner] = {}
+        self._corpus_mass: PrototypeMass | None = None
 
     @classmethod
     def open(cls, index_dir: str | Path, **kw) -> Attributor:
@@ -201,7 +202,12 @@ class Attributor:
 
     # ------------------------------------------------------------------------ steering
     def corpus_mass(self) -> PrototypeMass:
-        """Activation mass per prototype over the whole corpus (the prototypes table's totals)."""
+        """Activation mass per prototype over the whole corpus (the prototypes table's totals; read once)."""
+        if self._corpus_mass is None:
+            self._corpus_mass = self._read_corpus_mass()
+        return self._corpus_mass
+
+    def _read_corpus_mass(self) -> PrototypeMass:
         import pyarrow.parquet as pq
 
         t = pq.read_table(self.reader.dir / "prototypes.parquet", columns=["proto_id", "n_tokens", "mass"])

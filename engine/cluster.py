@@ -17,7 +17,9 @@ which shards are missing.
 from __future__ import annotations
 
 import collections
+import functools
 import logging
+import operator
 import os
 import threading
 import time
@@ -98,7 +100,7 @@ class ShardActor:
 
     def __init__(self, index_dir: str, checkpoint: str, shards: list[int], threads: int) -> None:
         torch.set_num_threads(max(1, threads))
-        self.worker = ShardWorker(index_dir, unembedding(checkpoint), shards)
+        self.worker = ShardWorker.open(index_dir, unembedding(checkpoint), shards)
 
     def call(self, method: str, *args: Any, **kw: Any) -> tuple[Any, CallStats | None]:
         self.worker.last = None
@@ -140,10 +142,7 @@ class RayShards:
         self.holder_of_shard = np.zeros(len(infos), dtype=np.int64)
         for g, shards in enumerate(self.groups):
             self.holder_of_shard[shards] = g
-        counts = np.array([[s.n_tokens, s.n_seqs, s.n_docs] for s in infos], dtype=np.int64)
-        bases = np.zeros((len(infos) + 1, 3), dtype=np.int64)
-        np.cumsum(counts, axis=0, out=bases[1:])
-        self.tok_base, self.seq_base, self.doc_base = bases[:, 0], bases[:, 1], bases[:, 2]
+        self.tok_base, self.seq_base, self.doc_base = manifest.bases()
         actor_cls: Any = ray.remote(ShardActor)
         ck = str(Path(checkpoint).resolve())
         self.actors = [actor_cls.options(num_cpus=spec.num_cpus, max_restarts=-1, max_task_retries=0)
@@ -221,13 +220,6 @@ class RayShards:
         parts = self.everyone("first_stages", e, n, nprobe, G, damping, plan, n_tokens, ctx=ctx)
         return merge_search([p[0] for p in parts], n), merge_best_tokens([p[1] for p in parts], n_tokens)
 
-    def search(self, e: np.ndarray, n: int, nprobe: int | None, ctx: CallContext | None = None) -> np.ndarray:
-        return merge_search(self.everyone("search", e, n, nprobe, ctx=ctx), n)
-
-    def posting(self, G: torch.Tensor, damping: float, plan: PostingPlan | None, n: int,
-                ctx: CallContext | None = None) -> np.ndarray:
-        return merge_best_tokens(self.everyone("posting", G, damping, plan, n, ctx=ctx), n)
-
     def shortlist(self, G: torch.Tensor, damping: float, seqs: np.ndarray, aggregation: Aggregation, *,
                   opponents: bool, n: int, m: int | None, match: bool, include_untrained: bool,
                   ctx: CallContext | None = None) -> Shortlist:
@@ -240,14 +232,9 @@ class RayShards:
                        signature: torch.Tensor | None = None) -> PrototypeMass:
         parts = self.call({g: ("prototype_mass", (d, measure, signature), {})
                            for g, d in self.split(np.unique(docs), self.doc_base).items()})
-        out = PrototypeMass.empty(int(next(iter(parts.values())).mass.shape[0])) if parts else None
-        if out is None:
+        if not parts:
             raise PrismError(f"{self.dir}: no documents given")
-        for p in parts.values():
-            n_docs = out.n_docs + p.n_docs
-            out = out + p
-            out.n_docs = n_docs
-        return out
+        return functools.reduce(operator.add, parts.values())  # holders' documents are disjoint: counts add up
 
     def pids(self) -> list[int]:
         """Each actor's process id (for operators and tests)."""
@@ -306,6 +293,13 @@ class RemoteReader(IndexReader):
         for got in parts.values():
             self._store(got)
 
+    def _ask(self, method: str, ids: np.ndarray, base: np.ndarray) -> np.ndarray:
+        """``method`` of each id's holder for the ids ``ids`` (global, by ``base``), in their order."""
+        by = self.remote.split(ids, base)
+        parts = self.remote.call({g: (method, (part,), {}) for g, part in by.items()})
+        lookup = {i: v for g, part in by.items() for i, v in zip(part.tolist(), np.asarray(parts[g]).tolist(), strict=True)}
+        return np.array([lookup[int(i)] for i in ids])
+
     def prefetch(self, seqs: np.ndarray, ctx: CallContext | None = None) -> None:
         seqs = np.unique(np.asarray(seqs, np.int64))
         missing = np.array([s for s in seqs if int(s) not in self._seqs], dtype=np.int64)
@@ -352,12 +346,7 @@ class RemoteReader(IndexReader):
         ok = (at >= 0) & (tok < known[np.maximum(at, 0), 1]) if len(known) else np.zeros(len(tok), bool)
         out = np.where(ok, known[np.maximum(at, 0), 2] if len(known) else 0, -1)
         if not ok.all():
-            parts = self.remote.call({g: ("seq_of_tokens", (t,), {})
-                                      for g, t in self.remote.split(tok[~ok], self.tok_base).items()})
-            lookup: dict[int, int] = {}
-            for g, t in self.remote.split(tok[~ok], self.tok_base).items():
-                lookup.update(zip(t.tolist(), parts[g].tolist(), strict=True))
-            out[~ok] = [lookup[int(t)] for t in tok[~ok]]
+            out[~ok] = self._ask("seq_of_tokens", tok[~ok], self.tok_base)
         return out.astype(np.int64)
 
     def trained(self, docs: np.ndarray) -> np.ndarray:
@@ -366,10 +355,7 @@ class RemoteReader(IndexReader):
         known = np.array([int(d) in self._docs for d in docs], dtype=bool)
         out[known] = [self._docs[int(d)][1] for d in docs[known]]
         if not known.all():
-            by = self.remote.split(docs[~known], self.doc_base)
-            parts = self.remote.call({g: ("trained", (d,), {}) for g, d in by.items()})
-            lookup = {int(d): bool(v) for g, d_ in by.items() for d, v in zip(d_, parts[g], strict=True)}
-            out[~known] = [lookup[int(d)] for d in docs[~known]]
+            out[~known] = self._ask("trained", docs[~known], self.doc_base)
         return out
 
     def external_id(self, doc: int) -> str:

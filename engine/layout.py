@@ -163,6 +163,14 @@ class IndexManifest:
     def tokens(self) -> int:
         return sum(s.n_tokens for s in self.shards)
 
+    def bases(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(tokens, sequences, documents): each shard's first global id, and the total last; ids are
+        global, shards in manifest order."""
+        counts = np.array([[s.n_tokens, s.n_seqs, s.n_docs] for s in self.shards], dtype=np.int64).reshape(-1, 3)
+        bases = np.zeros((len(self.shards) + 1, 3), dtype=np.int64)
+        np.cumsum(counts, axis=0, out=bases[1:])
+        return bases[:, 0], bases[:, 1], bases[:, 2]
+
     def add_shard(self, info: ShardInfo) -> None:
         self.shards = sorted([s for s in self.shards if s.unit != info.unit] + [info], key=lambda s: s.unit)
 

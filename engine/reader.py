@@ -133,11 +133,8 @@ class IndexReader:
             raise PrismError(f"{self.dir}: shard positions {self.held} out of range (the index has {len(infos)})")
         self.shards = [Shard(layout.shard_dir(self.dir, infos[s].unit), infos[s]) for s in self.held]
         self._at = {s: sh for s, sh in zip(self.held, self.shards, strict=True)}
-        counts = np.array([[s.n_tokens, s.n_seqs, s.n_docs] for s in infos], dtype=np.int64).reshape(-1, 3)
-        bases = np.zeros((len(infos) + 1, 3), dtype=np.int64)
-        np.cumsum(counts, axis=0, out=bases[1:])
-        self.tok_base, self.seq_base, self.doc_base = bases[:, 0], bases[:, 1], bases[:, 2]
-        self.n_tokens, self.n_seqs, self.n_docs = (int(x) for x in bases[-1])
+        self.tok_base, self.seq_base, self.doc_base = self.manifest.bases()
+        self.n_tokens, self.n_seqs, self.n_docs = int(self.tok_base[-1]), int(self.seq_base[-1]), int(self.doc_base[-1])
         self.nprobe = self.manifest.calibration.faiss_nprobe if self.manifest.calibration else 1
         self.shard_of_unit = np.zeros(max((s.unit for s in self.manifest.shards), default=0) + 1, dtype=np.int64)
         self.shard_of_unit[[s.unit for s in self.manifest.shards]] = np.arange(len(self.manifest.shards))
@@ -241,6 +238,14 @@ class IndexReader:
             t0 = self.shard(s).seq_tok0
             parts.append(self.tok_base[s] + ranges(t0[local], t0[local + 1]))
         return np.concatenate(parts) if parts else np.zeros(0, np.int64)
+
+    def token_context(self, row: int) -> tuple[int, int, int, list[int]]:
+        """(sequence, document, position in the sequence, the sequence's input tokens) of one global
+        token row: where a context shown for a token comes from."""
+        seq = int(self.seq_of_tokens(np.array([row]))[0])
+        lo, _, _ = self.seq_span(seq)
+        tokens, _ = self.sequence_tokens(seq)
+        return seq, int(self.doc_of_seqs(np.array([seq]))[0]), int(row) - lo, tokens
 
     def rows_of_documents(self, docs: np.ndarray) -> np.ndarray:
         """Global token rows of the given documents (ascending)."""

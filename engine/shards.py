@@ -123,11 +123,15 @@ class CallStats:
 class ShardWorker:
     """The shard side of queries over the shards that one process opens."""
 
-    def __init__(self, index_dir: str | Path, W: torch.Tensor, shards: list[int] | None = None, *,
-                 reader: IndexReader | None = None) -> None:
-        self.reader = reader if reader is not None else IndexReader(index_dir, W, shards)
+    def __init__(self, reader: IndexReader) -> None:
+        self.reader = reader
         self._pre: dict[float, Preconditioner] = {}
         self.last: CallStats | None = None
+
+    @classmethod
+    def open(cls, index_dir: str | Path, W: torch.Tensor, shards: list[int] | None = None) -> ShardWorker:
+        """A worker over the shards at positions ``shards`` of an index (default: all)."""
+        return cls(IndexReader(index_dir, W, shards))
 
     @property
     def held(self) -> list[int]:
@@ -142,24 +146,11 @@ class ShardWorker:
         self.last = CallStats(method, started, time.perf_counter() - t0, rows)
 
     # ------------------------------------------------------------------------ first stages
-    def search(self, e: np.ndarray, n: int, nprobe: int | None) -> tuple[np.ndarray, np.ndarray]:
-        t0, started = time.perf_counter(), time.time()
-        out = self.reader.search_embedding(e, n, nprobe)
-        self._done("search", t0, started, 0)
-        return out
-
-    def posting(self, G: torch.Tensor, damping: float, plan: PostingPlan | None,
-                n: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """(rows, approximate cosines, sequences) of the ``n`` best tokens of the planned lists here."""
-        t0, started = time.perf_counter(), time.time()
-        tok, cos = best_posting_tokens(self.reader, G, self.preconditioner(damping), plan, n)
-        self._done("posting", t0, started, len(tok))
-        return tok, cos, self.reader.seq_of_tokens(tok)
-
     def first_stages(self, e: np.ndarray | None, n: int, nprobe: int | None, G: torch.Tensor, damping: float,
                      plan: PostingPlan | None, n_tokens: int) -> tuple[tuple, tuple]:
-        """Both first stages in one call: (``search``'s answer, ``posting``'s answer); a stage whose
-        input is None answers nothing."""
+        """Both first stages in one call: ((similarities, sequences) of the ``n`` nearest by FAISS,
+        (rows, approximate cosines, sequences) of the ``n_tokens`` best tokens of the planned posting
+        lists); a stage whose input is None answers nothing."""
         t0, started = time.perf_counter(), time.time()
         none: tuple = (np.zeros(0), np.zeros(0, np.int64))
         found = self.reader.search_embedding(e, n, nprobe) if e is not None and n > 0 else none
@@ -277,11 +268,6 @@ class ShardSet(Protocol):
                      plan: PostingPlan | None, n_tokens: int,
                      ctx: CallContext | None = None) -> tuple[np.ndarray, np.ndarray]: ...
 
-    def search(self, e: np.ndarray, n: int, nprobe: int | None, ctx: CallContext | None = None) -> np.ndarray: ...
-
-    def posting(self, G: torch.Tensor, damping: float, plan: PostingPlan | None, n: int,
-                ctx: CallContext | None = None) -> np.ndarray: ...
-
     def shortlist(self, G: torch.Tensor, damping: float, seqs: np.ndarray, aggregation: Aggregation, *,
                   opponents: bool, n: int, m: int | None, match: bool, include_untrained: bool,
                   ctx: CallContext | None = None) -> Shortlist: ...
@@ -296,20 +282,13 @@ class LocalShards:
     """Every shard in this process: one worker, answers as they are (the default)."""
 
     def __init__(self, reader: IndexReader) -> None:
-        self.worker = ShardWorker(reader.dir, torch.zeros(0), reader=reader)
+        self.worker = ShardWorker(reader)
 
     def first_stages(self, e: np.ndarray | None, n: int, nprobe: int | None, G: torch.Tensor, damping: float,
                      plan: PostingPlan | None, n_tokens: int,
                      ctx: CallContext | None = None) -> tuple[np.ndarray, np.ndarray]:
         found, post = self.worker.first_stages(e, n, nprobe, G, damping, plan, n_tokens)
         return merge_search([found], n), merge_best_tokens([post], n_tokens)
-
-    def search(self, e: np.ndarray, n: int, nprobe: int | None, ctx: CallContext | None = None) -> np.ndarray:
-        return merge_search([self.worker.search(e, n, nprobe)], n)
-
-    def posting(self, G: torch.Tensor, damping: float, plan: PostingPlan | None, n: int,
-                ctx: CallContext | None = None) -> np.ndarray:
-        return merge_best_tokens([self.worker.posting(G, damping, plan, n)], n)
 
     def shortlist(self, G: torch.Tensor, damping: float, seqs: np.ndarray, aggregation: Aggregation, *,
                   opponents: bool, n: int, m: int | None, match: bool, include_untrained: bool,

@@ -201,10 +201,7 @@ def prototype_labels(reader, model: PRISM, tokenizer: Tokenizer, *, n_contexts: 
     for p in range(K):
         c: Counter = Counter()
         for row, _ in reader.top_contexts(p, n_contexts):
-            seq = int(reader.seq_of_tokens(np.array([row]))[0])
-            lo, _, _ = reader.seq_span(seq)
-            ids, _ = reader.sequence_tokens(seq)
-            pos = row - lo
+            _, _, pos, ids = reader.token_context(row)
             a, b = max(0, pos - 6), min(len(ids), pos + 6)
             start, end = len(tokenizer.decode(ids[a:pos])), len(tokenizer.decode(ids[a : pos + 1]))
             for m in WORD.finditer(tokenizer.decode(ids[a:b])):

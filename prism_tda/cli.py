@@ -318,14 +318,11 @@ def _sql_doc_ids(index_dir: Path, name: str, sql: str, field: str) -> list[int]:
     pool = SqlPool(index_dir, SqlLimits(timeout_s=30.0, max_rows=1_000_000, max_result_bytes=256 * 2**20,
                                         memory_limit_bytes=2**30, workers=1), None)
     try:
-        header, rows = pool.query(sql, {"index_name": name, "principal": None})
+        return pool.doc_ids(sql, {"index_name": name, "principal": None}, field=field)
     except SqlRefusal as e:
         raise PrismError(f"{field}: {e.kind}: {e.detail}") from None
     finally:
         pool.close()
-    if not header["columns"] or header["columns"][0]["name"] != "doc_id":
-        raise PrismError(f"{field}: the first column must be doc_id")
-    return [int(r[0]) for r in json.loads(rows)]
 
 
 def cmd_discover(args: argparse.Namespace) -> int:

@@ -87,9 +87,6 @@ class Catalog:
         """The ``n`` training tokens that activate ``proto_id`` most, with their sequence's tokens."""
         out = []
         for row, act in self.reader.top_contexts(proto_id, n):
-            seq = int(self.reader.seq_of_tokens(np.array([row]))[0])
-            lo, _, _ = self.reader.seq_span(seq)
-            tokens, _ = self.reader.sequence_tokens(seq)
-            out.append({"seq_id": seq, "pos": row - lo, "act": act,
-                        "doc_id": int(self.reader.doc_of_seqs(np.array([seq]))[0]), "token_ids": tokens})
+            seq, doc, pos, tokens = self.reader.token_context(row)
+            out.append({"seq_id": seq, "pos": pos, "act": act, "doc_id": doc, "token_ids": tokens})
         return out

@@ -117,10 +117,8 @@ class LoadedIndex:
                      for v, i in zip(vals[0], idx[0], strict=True)]
         contexts = []
         for c in self.catalog.top_contexts(proto_id, n_contexts) if n_contexts else []:
-            ids, pos = c["token_ids"], c["pos"]
-            contexts.append({"doc_id": c["doc_id"], "seq_id": c["seq_id"], "pos": pos, "act": float(c["act"]),
-                             "before": tok.decode(ids[max(0, pos - 12): pos]), "token": tok.decode(ids[pos: pos + 1]),
-                             "after": tok.decode(ids[pos + 1: pos + 6])})
+            contexts.append({"doc_id": c["doc_id"], "seq_id": c["seq_id"], "pos": c["pos"], "act": float(c["act"]),
+                             **context_text(tok, c["token_ids"], c["pos"])})
         return {"proto_id": proto_id, "label": row["label"], "n_tokens": int(row["n_tokens"]),
                 "mass": float(row["mass"]), "share": float(row["share"] or 0.0), "mean_act": float(row["mean_act"]),
                 "top_tokens": list(row["top_tokens"] or []), "signature": signature, "top_contexts": contexts}
@@ -133,6 +131,12 @@ class LoadedIndex:
 def _close_parts(sql: SqlPool, attributor: Attributor) -> None:
     sql.close()
     attributor.close()
+
+
+def context_text(tok: Any, ids: list[int], pos: int) -> dict[str, str]:
+    """The token at ``pos`` of ``ids`` and a little of the text around it, as a context is shown."""
+    return {"before": tok.decode(ids[max(0, pos - 12): pos]), "token": tok.decode(ids[pos: pos + 1]),
+            "after": tok.decode(ids[pos + 1: pos + 6])}
 
 
 def discover_report(att: Attributor, catalog: Catalog, *, topic: dict[str, Any], contrast: dict[str, Any] | None,
@@ -157,13 +161,9 @@ def discover_report(att: Attributor, catalog: Catalog, *, topic: dict[str, Any],
                 text_index, pos = int(where[0]), int(where[1])
                 ids, doc = encoded[text_index], None
             else:
-                seq = int(att.reader.seq_of_tokens(np.array([int(where)]))[0])  # type: ignore[call-overload]
-                lo, _, _ = att.reader.seq_span(seq)
-                ids, _ = att.reader.sequence_tokens(seq)
-                pos, doc, text_index = int(where) - lo, int(att.reader.doc_of_seqs(np.array([seq]))[0]), None  # type: ignore[call-overload]
-            ctx.append({"act": float(act), "doc_id": doc, "text_index": text_index,
-                        "before": tok.decode(ids[max(0, pos - 12): pos]), "token": tok.decode(ids[pos: pos + 1]),
-                        "after": tok.decode(ids[pos + 1: pos + 6])})
+                _, doc, pos, ids = att.reader.token_context(int(where))  # type: ignore[call-overload]
+                text_index = None
+            ctx.append({"act": float(act), "doc_id": doc, "text_index": text_index, **context_text(tok, ids, pos)})
         info = catalog.prototype(d.proto_id) or {}
         out.append({"proto_id": d.proto_id, "label": info.get("label"), "score": d.score,
                     "ratio": float(np.exp(d.score)), "topic_share": d.topic_share,

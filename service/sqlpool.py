@@ -189,6 +189,21 @@ class SqlPool:
         with self._lock:
             return sum(w.proc.poll() is None for w in self._all)
 
+    def doc_ids(self, sql: str, audit: dict[str, Any] | None = None, *, field: str = "sql") -> list[int]:
+        """The document ids of one statement whose first column is ``doc_id`` (a document filter):
+        :class:`SqlRefusal` as :meth:`query` raises it, ``QueryError`` naming ``field`` for a result of
+        another shape."""
+        from prism_tda.errors import QueryError
+
+        header, rows = self.query(sql, audit)
+        cols = [c["name"] for c in header["columns"]]
+        if not cols or cols[0] != "doc_id":
+            raise QueryError(f"{field}: the first column must be doc_id (got {cols[:3]})")
+        ids = [r[0] for r in json.loads(rows)]
+        if not ids or not all(isinstance(i, int) for i in ids):
+            raise QueryError(f"{field}: no document ids (or ids that are not integers)")
+        return ids
+
     def query(self, sql: str, audit: dict[str, Any] | None = None) -> tuple[dict[str, Any], bytes]:
         """Run one statement; (header with ``columns`` and ``row_count``, rows as a JSON array).
         ``audit``: ``{"index_name", "principal"}`` restricting ``audit_results`` (principal None: all).

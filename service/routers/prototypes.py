@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 from typing import Annotated, Literal
 
 from fastapi import APIRouter, Path, Query, Response
@@ -65,17 +64,10 @@ async def _doc_ids(services, ix, src: TextSource | None, field: str, principal) 
         return {"doc_ids": src.doc_ids}
     audit = {"index_name": ix.name, "principal": None if principal.admin else principal.id}
     try:
-        header, rows = await services.io(ix.sql.query, src.sql, audit)
+        return {"doc_ids": await services.io(ix.sql.doc_ids, src.sql, audit, field=f"{field}.sql")}
     except SqlRefusal as e:
         services.metrics.sql_refused.labels(kind=e.kind).inc()
         raise p.BY_KIND[e.kind](f"{field}.sql: {e.detail}") from None
-    cols = [c["name"] for c in header["columns"]]
-    if not cols or cols[0] != "doc_id":
-        raise p.InvalidQuery(f"{field}.sql: the first column must be doc_id (got {cols[:3]})")
-    ids = [r[0] for r in json.loads(rows)]
-    if not ids or not all(isinstance(i, int) for i in ids):
-        raise p.InvalidQuery(f"{field}.sql: no document ids (or ids that are not integers)")
-    return {"doc_ids": ids}
 
 
 @sets_router.post("/discover", response_model=DiscoverResponse,
