@@ -8,6 +8,7 @@ steps, and exact resumption (the batch of a step depends only on the seed and th
 from __future__ import annotations
 
 import contextlib
+import gc
 import hashlib
 import json
 import logging
@@ -21,6 +22,13 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+
+# Imported before any process group exists, on purpose: this module binds ``group.WORLD`` as a default
+# argument of its functions when it is first imported (DDP imports it), and a process group held there
+# outlives ``destroy_process_group``. Its gloo threads then run until the interpreter tears down, and a
+# thread that needs the GIL at that moment aborts the process ("terminate called without an active
+# exception", SIGABRT) after the work is done. Imported now, the defaults are None (the default group).
+import torch.distributed.nn.functional  # noqa: F401  isort: skip
 from tokenizers import Tokenizer
 from torch.nn.parallel import DistributedDataParallel as DDP
 from tqdm.auto import tqdm
@@ -341,6 +349,12 @@ class Trainer:
         return path
 
     def close(self) -> None:
+        """Tear down data parallelism while the interpreter is whole: wait for every rank, drop the DDP
+        wrapper (its reducer holds the process group), then destroy the group, which joins its
+        threads. Idempotent; the model stays usable in this process."""
         if self.world > 1 and dist.is_initialized():
             dist.barrier()  # no rank tears down the process group while another still uses it
+            self.ddp = None
+            self.fwd = torch.compile(self.model) if self.cfg.compile else self.model
+            gc.collect()  # the reducer and its hooks go now, not at interpreter exit
             dist.destroy_process_group()

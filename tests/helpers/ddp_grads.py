@@ -1,5 +1,11 @@
-"""Run under torchrun: one DDP forward/backward of step 0; rank 0 saves the gradients."""
+"""Run under torchrun: one DDP forward/backward of step 0; rank 0 saves the gradients.
 
+After ``Trainer.close()`` no gloo thread may be left: a process group that outlives the trainer is
+torn down during interpreter exit, where a thread that needs the GIL aborts the process. The
+check makes that a deterministic failure (exit code 3) instead of a rare SIGABRT.
+"""
+
+import os
 import sys
 
 import torch.distributed as dist
@@ -16,3 +22,10 @@ t.forward_backward(0)
 if dist.get_rank() == 0:
     save_file({n: p.grad.contiguous() for n, p in t.model.named_parameters()}, out_file)
 t.close()
+t.close()  # idempotent
+
+left = [name for tid in os.listdir("/proc/self/task")
+        for name in [open(f"/proc/self/task/{tid}/comm").read().strip()] if "gloo" in name]
+if left:
+    print(f"rank {os.environ.get('RANK')}: gloo threads alive after Trainer.close(): {left}", file=sys.stderr)
+    sys.exit(3)
