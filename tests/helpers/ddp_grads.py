@@ -7,6 +7,7 @@ check makes that a deterministic failure (exit code 3) instead of a rare SIGABRT
 
 import os
 import sys
+import time
 
 import torch.distributed as dist
 from safetensors.torch import save_file
@@ -24,8 +25,21 @@ if dist.get_rank() == 0:
 t.close()
 t.close()  # idempotent
 
-left = [name for tid in os.listdir("/proc/self/task")
-        for name in [open(f"/proc/self/task/{tid}/comm").read().strip()] if "gloo" in name]
+
+
+def gloo_threads() -> list[str]:
+    names = []
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            names.append(open(f"/proc/self/task/{tid}/comm").read().strip())
+        except OSError:  # the thread ended while it was listed
+            pass
+    return [n for n in names if "gloo" in n]
+
+
+deadline = time.monotonic() + 5  # the transport's loop thread ends asynchronously, within milliseconds
+while (left := gloo_threads()) and time.monotonic() < deadline:
+    time.sleep(0.05)
 if left:
     print(f"rank {os.environ.get('RANK')}: gloo threads alive after Trainer.close(): {left}", file=sys.stderr)
     sys.exit(3)
