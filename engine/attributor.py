@@ -19,6 +19,7 @@ the fast path is measured against, ``exact.py``). Results are presented by ``pre
 
 from __future__ import annotations
 
+import threading
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -26,7 +27,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from prism_tda.errors import PrismError, QueryError
+from prism_tda.errors import PrismError, QueryError, check_stop
 from prism_tda.model import checkpoint as ckpt
 
 from .candidates import FirstStages, posting_plan
@@ -37,6 +38,7 @@ from .query import Query, QueryEncoder
 from .reader import IndexReader, read_complete_manifest
 from .scoring import (
     Preconditioner,
+    PreconditionerCache,
     TokenScores,
     approx_scores,
     document_scores,
@@ -78,8 +80,10 @@ class Attributor:
         self.stages = stages or FirstStages()
         self.exact_token_limit = exact_token_limit
         self.encoder = QueryEncoder(self.model, self.tokenizer, self.reader.curv.Q, self.reader.curv.u_dim)
-        self._pre: dict[float, Preconditioner] = {}
+        self._pre = PreconditionerCache(self.reader)
         self._corpus_mass: PrototypeMass | None = None
+        self._logit_mass: PrototypeMass | None = None  # the corpus under measure="logit": one pass, kept
+        self._logit_lock = threading.Lock()
 
     @classmethod
     def open(cls, index_dir: str | Path, **kw) -> Attributor:
@@ -94,18 +98,14 @@ class Attributor:
             raise PrismError(f"{what}: reads every shard in this process; open the index without a cluster")
 
     def close(self) -> None:
-        """Let go of the shard holders (a cluster's actors); the index files stay as they are."""
+        """Let go of the shard holders (a cluster's actors) and of the shards' open files; the index files
+        stay as they are."""
         self.shards.close()
+        self.reader.close()
 
     def preconditioner(self, damping: float | None = None) -> Preconditioner:
         """The curvature at ``damping`` x the mean eigenvalue (default: the index's)."""
-        damping = self.reader.cfg.damping if damping is None else float(damping)
-        if not damping > 0:
-            raise QueryError(f"damping: must be > 0, got {damping}")
-        if damping not in self._pre:
-            self._pre[damping] = Preconditioner(damping, self.reader.inv(damping),
-                                                damping == self.reader.cfg.damping)
-        return self._pre[damping]
+        return self._pre.get(damping)
 
     def encode(self, spec: QuerySpec) -> Query:
         return self.encoder.encode(spec)
@@ -157,10 +157,12 @@ class Attributor:
         ranked = rank_documents(self.reader, exact, opt.aggregation, opponents=opt.opponents, n=opt.n_documents)
         return exact, short.n_scored, ranked
 
-    def _exhaustive(self, q: Query, opt: QueryOptions, pre: Preconditioner) -> tuple[TokenScores, int, list]:
+    def _exhaustive(self, q: Query, opt: QueryOptions, pre: Preconditioner,
+                    stop: threading.Event | None = None) -> tuple[TokenScores, int, list]:
         self._check_exact()
         sign = -1.0 if opt.opponents else 1.0
-        tot = exhaustive(self.model, self.reader, [q], pre, sign=sign, match=opt.aggregation == "cosine_match")[0]
+        tot = exhaustive(self.model, self.reader, [q], pre, sign=sign, match=opt.aggregation == "cosine_match",
+                         on_batch=lambda _: check_stop(stop, "the exact attribution"))[0]
         per_doc = tot.scores(sign)[opt.aggregation]
         best_tok = tot.best_token(opt.aggregation)
         ok = best_tok >= 0
@@ -175,8 +177,10 @@ class Attributor:
         where = {int(t): i for i, t in enumerate(exact.tok)}
         return exact, self.reader.n_tokens, [(where[int(best_tok[d])], float(per_doc[d])) for d in top]
 
-    def attribute(self, spec: QuerySpec, options: QueryOptions | None = None) -> Attribution:
-        """Top training documents for one query."""
+    def attribute(self, spec: QuerySpec, options: QueryOptions | None = None, *,
+                  stop: threading.Event | None = None) -> Attribution:
+        """Top training documents for one query. ``stop``: when set, ``mode="exact"`` stops at its next
+        batch (``Cancelled``)."""
         opt = options or QueryOptions()
         if opt.aggregation not in AGGREGATIONS:
             raise QueryError(f"aggregation: must be one of {list(AGGREGATIONS)}, got {opt.aggregation!r}")
@@ -190,7 +194,7 @@ class Attributor:
         if opt.mode == "fast":
             scores, n_scored, ranked = self._fast(q, opt, pre, ctx)
         else:
-            scores, n_scored, ranked = self._exhaustive(q, opt, pre)
+            scores, n_scored, ranked = self._exhaustive(q, opt, pre, stop)
         t3 = time.perf_counter()
         docs = [scored_document(self.reader, self.tokenizer, scores, best, score, rank, opponents=opt.opponents)
                 for rank, (best, score) in enumerate(ranked, 1)]
@@ -221,14 +225,16 @@ class Attributor:
     def discover(self, *, topic_texts: list[str] | None = None, topic_docs: np.ndarray | None = None,
                  contrast_texts: list[str] | None = None, contrast_docs: np.ndarray | None = None,
                  include_untrained: bool = False, n: int = 20, min_support: int = 5, min_docs: int = 2,
-                 smoothing: float = 0.5, measure: str = "activation",
+                 smoothing: float = 0.5, measure: str = "activation", max_tokens: int | None = None,
+                 stop: threading.Event | None = None,
                  ) -> tuple[list[Discovered], PrototypeMass, PrototypeMass, str]:
         """Prototypes ranked by how specifically they carry a topic given by example texts or documents
         of the index (``engine/steering.py``), against contrast texts or documents, or by default the
         rest of the corpus; returns (ranked, topic mass, contrast mass, what the contrast was).
         ``measure``: what a token counts for a prototype, its activation (the corpus's totals are
         stored) or its positive share of the next token's logit (the default contrast is then read
-        from every shard: a pass over the corpus)."""
+        from every shard: a pass over the corpus, done once and kept). ``max_tokens``: refuse (QueryError)
+        before reading more stored tokens than this; ``stop``: checked as the tokens are read."""
         if measure not in MEASURES:
             raise QueryError(f"measure: must be one of {list(MEASURES)}, got {measure!r}")
         sig = signature_matrix(self.model) if measure == "logit" else None
@@ -237,7 +243,7 @@ class Attributor:
         if contrast_texts is not None and contrast_docs is not None:
             raise QueryError("contrast: give texts or documents, not both")
 
-        def docs_mass(docs: np.ndarray, field: str) -> PrototypeMass:
+        def chosen(docs: np.ndarray, field: str) -> np.ndarray:
             docs = np.unique(np.asarray(docs, np.int64))
             bad = docs[(docs < 0) | (docs >= self.reader.n_docs)]
             if len(bad):
@@ -246,26 +252,53 @@ class Attributor:
                 docs = docs[self.reader.trained(docs)]
             if not len(docs):
                 raise QueryError(f"{field}: no trained document given (include_untrained to use the others)")
-            return self.shards.prototype_mass(docs, measure, sig)
+            return docs
+
+        sources = {f: chosen(d, f) for f, d in (("topic.doc_ids", topic_docs), ("contrast.doc_ids", contrast_docs))
+                   if d is not None}
+        corpus_pass = (measure == "logit" and contrast_texts is None and contrast_docs is None
+                       and self._logit_mass is None)
+        if max_tokens is not None:  # what this request would read, refused before any of it is read
+            reads = {f: self._tokens_of(d) for f, d in sources.items()}
+            if corpus_pass:
+                reads["the corpus (measure logit's default contrast, read once)"] = self.reader.n_tokens
+            if sum(reads.values()) > max_tokens:
+                raise QueryError("discovery would read " + " + ".join(f"{n:,} tokens of {f}" for f, n in reads.items())
+                                 + f", over the limit of {max_tokens:,}; give fewer documents"
+                                 + (" or a contrast" if corpus_pass else ""))
+
+        def docs_mass(field: str) -> PrototypeMass:
+            return self.shards.prototype_mass(sources[field], measure, sig, stop=stop)
 
         def corpus() -> PrototypeMass:
             if measure == "activation":
                 return self.corpus_mass()
-            return self.shards.prototype_mass(np.arange(self.reader.n_docs), measure, sig)
+            with self._logit_lock:  # one pass at a time; the others wait for its result
+                if self._logit_mass is None:
+                    self._logit_mass = self.shards.prototype_mass(np.arange(self.reader.n_docs), measure, sig,
+                                                                  stop=stop)
+                return self._logit_mass
 
         with torch.no_grad():
             topic = (text_mass(self.model, self.tokenizer, topic_texts, measure=measure) if topic_texts is not None
-                     else docs_mass(np.asarray(topic_docs), "topic.doc_ids"))
+                     else docs_mass("topic.doc_ids"))
             if contrast_texts is not None:
                 contrast, what = text_mass(self.model, self.tokenizer, contrast_texts, measure=measure), "texts"
             elif contrast_docs is not None:
-                contrast, what = docs_mass(np.asarray(contrast_docs), "contrast.doc_ids"), "documents"
+                contrast, what = docs_mass("contrast.doc_ids"), "documents"
             elif topic_docs is not None:
                 contrast, what = corpus() - topic, "the rest of the corpus"
             else:
                 contrast, what = corpus(), "the corpus"
         ranked = rank_prototypes(topic, contrast, min_support=min_support, min_docs=min_docs, smoothing=smoothing, n=n)
         return ranked, topic, contrast, what
+
+    def _tokens_of(self, docs: np.ndarray) -> int:
+        """Stored tokens of ``docs``: counted from the sequence offsets, or estimated from the mean document
+        length where this process does not hold the shards (a cluster)."""
+        if isinstance(self.shards, LocalShards):
+            return self.reader.tokens_of_documents(docs)
+        return int(len(docs) * self.reader.n_tokens / max(1, self.reader.n_docs))
 
     def document_scores(self, q: Query, mode: Mode = "exact", n_candidates: int = 256,
                         damping: float | None = None, exact_rerank: int = 32,

@@ -31,7 +31,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from prism_tda.errors import PrismError, ShardUnavailable
+from prism_tda.errors import PrismError, ShardUnavailable, check_stop
 
 from . import layout
 from .candidates import PostingPlan
@@ -229,7 +229,10 @@ class RayShards:
         return merge_shortlists(list(parts.values()), n, -1.0 if opponents else 1.0)
 
     def prototype_mass(self, docs: np.ndarray, measure: str = "activation",
-                       signature: torch.Tensor | None = None) -> PrototypeMass:
+                       signature: torch.Tensor | None = None, stop: threading.Event | None = None) -> PrototypeMass:
+        """Summed over the holders, which run in parallel (``stop`` is checked before the calls only: a
+        running actor call is not interrupted)."""
+        check_stop(stop, "prototype discovery")
         parts = self.call({g: ("prototype_mass", (d, measure, signature), {})
                            for g, d in self.split(np.unique(docs), self.doc_base).items()})
         if not parts:

@@ -76,6 +76,14 @@ class Shard:
         md = self._docs.metadata  # documents per row group, as written (every group but the last)
         self.group_rows = md.row_group(0).num_rows if md.num_row_groups and md.row_group(0).num_rows else DOC_ROW_GROUP
 
+    def close(self) -> None:
+        """Let go of the shard's files: its memory maps (each holds a file descriptor), FAISS part and
+        Parquet reader. Views still held elsewhere keep their pages until they go."""
+        for name in ARRAYS:
+            self.__dict__.pop(name, None)
+        self.faiss = None
+        self._docs = None
+
     def targets(self, local: np.ndarray) -> np.ndarray:
         """The token each of the ``local`` rows predicts: the next input token of its window, or the
         window's stored last target."""
@@ -144,6 +152,14 @@ class IndexReader:
             lambda s, g: self.shard(s).doc_group(g))
         self.k = int(self.manifest.model.get("n_active", self.manifest.model.get("top_k", 8)))
         self.load_seconds = time.perf_counter() - t0
+
+    def close(self) -> None:
+        """Let go of every open shard's files (the reader is unusable afterwards)."""
+        self._doc_group.cache_clear()
+        self.stacked = None  # it reads the shards' FAISS lists in place: it goes first
+        for sh in self.shards:
+            sh.close()
+        self.shards, self._at = [], {}
 
     def shard(self, s: int) -> Shard:
         """The open shard at position ``s``."""
@@ -255,6 +271,15 @@ class IndexReader:
             seqs = ranges(np.searchsorted(sh.seq_doc, local, side="left"), np.searchsorted(sh.seq_doc, local, side="right"))
             parts.append(self.tok_base[s] + ranges(sh.seq_tok0[seqs], sh.seq_tok0[seqs + 1]))
         return np.concatenate(parts) if parts else np.zeros(0, np.int64)
+
+    def tokens_of_documents(self, docs: np.ndarray) -> int:
+        """How many tokens the given documents hold (without listing their rows)."""
+        total = 0
+        for s, _, local in self._split(np.unique(np.asarray(docs, np.int64)), self.doc_base):
+            sh = self.shard(s)
+            lo, hi = np.searchsorted(sh.seq_doc, local, side="left"), np.searchsorted(sh.seq_doc, local, side="right")
+            total += int((sh.seq_tok0[hi] - sh.seq_tok0[lo]).sum())
+        return total
 
     def sequence_tokens(self, seq: int) -> tuple[list[int], list[int]]:
         """(input tokens, targets) of one sequence, as the model saw them."""

@@ -17,11 +17,14 @@ default), the sum of its cosines, or the best or summed raw influence.
 
 from __future__ import annotations
 
+import threading
+from collections import OrderedDict
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
+from prism_tda.errors import QueryError
 from prism_tda.model import PRISM
 
 from .query import Query
@@ -41,6 +44,34 @@ class Preconditioner:
     def self_influence(self, G: torch.Tensor) -> float:
         """I(q, q) of a query gradient G (K, d)."""
         return float((G * G * self.inv).sum())
+
+
+class PreconditionerCache:
+    """Preconditioners by damping for one index, the ``size`` most recently used kept (each holds K x d
+    floats, so a cache keyed by a client's float must be bounded); thread-safe."""
+
+    def __init__(self, reader: IndexReader, size: int = 8) -> None:
+        self.reader, self.size = reader, size
+        self._items: OrderedDict[float, Preconditioner] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+    def get(self, damping: float | None = None) -> Preconditioner:
+        """The curvature at ``damping`` x the mean eigenvalue (None: the index's)."""
+        default = self.reader.cfg.damping
+        damping = default if damping is None else float(damping)
+        if not damping > 0 or not np.isfinite(damping):
+            raise QueryError(f"damping: must be a positive number, got {damping}")
+        with self._lock:
+            pre = self._items.pop(damping, None)
+            if pre is None:
+                pre = Preconditioner(damping, self.reader.inv(damping), damping == default)
+            self._items[damping] = pre
+            while len(self._items) > self.size:
+                self._items.popitem(last=False)
+        return pre
 
 
 @dataclass

@@ -17,6 +17,7 @@ one IVF search, which the merge cannot see.)
 
 from __future__ import annotations
 
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -25,9 +26,11 @@ from typing import Any, Protocol
 import numpy as np
 import torch
 
+from prism_tda.errors import check_stop
+
 from .candidates import PostingPlan, best_posting_tokens
 from .reader import IndexReader
-from .scoring import Preconditioner, approx_scores, ranked_documents, trained_only
+from .scoring import Preconditioner, PreconditionerCache, approx_scores, ranked_documents, trained_only
 from .steering import PrototypeMass, mass_of_tokens, token_weights
 from .types import Aggregation
 
@@ -125,7 +128,7 @@ class ShardWorker:
 
     def __init__(self, reader: IndexReader) -> None:
         self.reader = reader
-        self._pre: dict[float, Preconditioner] = {}
+        self._pre = PreconditionerCache(reader)
         self.last: CallStats | None = None
 
     @classmethod
@@ -138,9 +141,7 @@ class ShardWorker:
         return list(self.reader.held)
 
     def preconditioner(self, damping: float) -> Preconditioner:
-        if damping not in self._pre:
-            self._pre[damping] = Preconditioner(damping, self.reader.inv(damping), damping == self.reader.cfg.damping)
-        return self._pre[damping]
+        return self._pre.get(damping)
 
     def _done(self, method: str, t0: float, started: float, rows: int) -> None:
         self.last = CallStats(method, started, time.perf_counter() - t0, rows)
@@ -224,15 +225,17 @@ class ShardWorker:
         return self.reader.top_contexts(int(proto), int(n))
 
     def prototype_mass(self, docs: np.ndarray, measure: str = "activation", signature: torch.Tensor | None = None,
-                       chunk: int = 1 << 18) -> PrototypeMass:
+                       chunk: int = 1 << 18, stop: threading.Event | None = None) -> PrototypeMass:
         """The mass of the documents ``docs`` (all in this worker's shards) under ``measure``
         (``engine/steering.py``: activation, or the positive logit share with the (K, V) ``signature``),
-        from the stored activations; ``where`` of a token is its global row."""
+        from the stored activations; ``where`` of a token is its global row. ``stop``: checked between
+        chunks (``Cancelled``)."""
         t0, started = time.perf_counter(), time.time()
         r = self.reader
         rows = r.rows_of_documents(np.asarray(docs, np.int64))
         out = PrototypeMass.empty(r.n_prototypes)
         for b in range(0, len(rows), chunk):
+            check_stop(stop, "prototype discovery")
             part = rows[b : b + chunk]
             data = r.token_data(part)
             weights = token_weights(data.protos, data.acts, data.targets, measure, signature)
@@ -273,7 +276,7 @@ class ShardSet(Protocol):
                   ctx: CallContext | None = None) -> Shortlist: ...
 
     def prototype_mass(self, docs: np.ndarray, measure: str = "activation",
-                       signature: torch.Tensor | None = None) -> PrototypeMass: ...
+                       signature: torch.Tensor | None = None, stop: threading.Event | None = None) -> PrototypeMass: ...
 
     def close(self) -> None: ...
 
@@ -298,8 +301,8 @@ class LocalShards:
         return merge_shortlists([part], n, -1.0 if opponents else 1.0)
 
     def prototype_mass(self, docs: np.ndarray, measure: str = "activation",
-                       signature: torch.Tensor | None = None) -> PrototypeMass:
-        return self.worker.prototype_mass(docs, measure, signature)
+                       signature: torch.Tensor | None = None, stop: threading.Event | None = None) -> PrototypeMass:
+        return self.worker.prototype_mass(docs, measure, signature, stop=stop)
 
     def close(self) -> None:
         pass

@@ -288,8 +288,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
     except ValidationError as e:
         raise ConfigError("; ".join(f"PRISM_{'.'.join(map(str, x['loc'])).upper()}: {x['msg']}"
                                     for x in e.errors())) from None
-    run: dict[str, Any] = {"host": settings.host, "port": settings.port, "log_config": None, "access_log": False,
-                           "timeout_graceful_shutdown": settings.graceful_shutdown_s}
+    from .service.app import server_options
+
+    run = server_options(settings)
     if settings.workers == 1:
         from .service import create_app
 

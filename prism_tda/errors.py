@@ -34,3 +34,13 @@ class ShardUnavailable(PrismError):
     def __init__(self, shards: list[int], why: str) -> None:
         self.shards = sorted(shards)
         super().__init__(f"shards {self.shards} did not answer ({why}); try again in a few seconds")
+
+
+class Cancelled(PrismError):
+    """Work stopped because its caller asked it to (the client that wanted it went away)."""
+
+
+def check_stop(stop: object | None, what: str = "the work") -> None:
+    """Raise :class:`Cancelled` when ``stop`` (a ``threading.Event``, or None) is set."""
+    if stop is not None and stop.is_set():  # type: ignore[attr-defined]
+        raise Cancelled(f"{what} was stopped: its client went away")

@@ -22,11 +22,11 @@ from . import lifecycle, problems
 from .deps import Services, get_admin, get_principal
 from .indexes import Registry
 from .metrics import Metrics
-from .middleware import BodyLimit, RequestContext
+from .middleware import BodyLimit, RequestContext, RequestOrigin
 from .routers import admin, attribute, audits, documents, generate, health, prototypes, sql, ui
 from .security import Guard
 from .settings import Settings
-from .state import StateDB
+from .state import SHARED, StateDB
 from .worker import AuditWorker
 
 log = logging.getLogger("prism.service")
@@ -52,8 +52,9 @@ def _load(settings: Settings, metrics: Metrics) -> Services:
     for name, ids in settings.prototype_sets.items():
         for ix in registry.indexes.values():
             ix.check_prototypes(ids, f"PRISM_PROTOTYPE_SETS[{name!r}]")
-            state.put_set(ix.name, name, ids, "from the server's settings")
-    worker = AuditWorker(state, registry, metrics, settings.audit_poll_s)
+            state.put_set(ix.name, SHARED, name, ids, "from the server's settings")
+    worker = AuditWorker(state, registry, metrics, settings.audit_poll_s, max_attempts=settings.audit_max_attempts,
+                         retention_s=settings.audit_retention_days * 86400)
     return Services(settings=settings, registry=registry, state=state, worker=worker, metrics=metrics,
                     guard=Guard(settings))
 
@@ -69,6 +70,10 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         services = await anyio.to_thread.run_sync(_load, settings, metrics)
         services.limiters = {n: anyio.CapacityLimiter(settings.compute_concurrency)
                              for n in services.registry.indexes}
+        # SQL waits (each blocks a thread until a SQL worker answers) have their threads apart from the
+        # state database's, so a burst of slow statements never stalls readiness, audits or sets
+        services.sql_limiter = anyio.CapacityLimiter(settings.sql_workers * max(1, len(services.registry.indexes)))
+        services.io_limiter = anyio.CapacityLimiter(16)
         services.worker.start()
         app.state.services = services
         uninstall_sighup = lifecycle.install_sighup(services)
@@ -98,6 +103,8 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.mount("/static", ui.static_files(), name="static")
     app.mount(ui.DOCS_ASSETS_URL, ui.docs_assets(), name="docs-assets")
     app.add_middleware(BodyLimit, max_bytes=settings.max_body_bytes)
+    app.add_middleware(RequestOrigin, keyless=not settings.api_keys, allowed_hosts=settings.allowed_hosts,
+                       cors_origins=settings.cors_origins)
     if settings.cors_origins:
         app.add_middleware(CORSMiddleware, allow_origins=settings.cors_origins, allow_methods=["*"],
                            allow_headers=["*"], expose_headers=["X-Request-ID", "Location", "Retry-After"])
@@ -116,6 +123,18 @@ def _openapi(app: FastAPI) -> dict[str, Any]:
                 comps.pop(unused, None)
         app.openapi_schema = schema
     return app.openapi_schema
+
+
+def server_options(settings: Settings) -> dict[str, Any]:
+    """uvicorn's options for these settings. Proxy headers are read only from ``forwarded_allow_ips``
+    (uvicorn's own default would trust any local peer's ``X-Forwarded-For``)."""
+    trusted = ",".join(settings.forwarded_allow_ips)
+    return {"host": settings.host, "port": settings.port, "log_config": None, "access_log": False,
+            "timeout_graceful_shutdown": settings.graceful_shutdown_s, "proxy_headers": bool(trusted),
+            "forwarded_allow_ips": trusted or None,
+            # the longest request line the API's own parameters make (16,000 characters of `ids`, each up
+            # to 12 bytes percent-encoded); past it the HTTP parser answers a bare 400
+            "h11_max_incomplete_event_size": 256 * 1024}
 
 
 def create_app_from_env() -> FastAPI:

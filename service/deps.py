@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-import asyncio
 import functools
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Annotated, Any, TypeVar
@@ -11,6 +11,8 @@ from typing import Annotated, Any, TypeVar
 import anyio
 from fastapi import Depends, Query, Request
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
+
+from prism_tda.engine import QueryOptions
 
 from . import problems
 from .indexes import LoadedIndex, Registry
@@ -34,19 +36,77 @@ class Services:
     metrics: Metrics
     guard: Guard
     limiters: dict[str, anyio.CapacityLimiter] = field(default_factory=dict)
+    sql_limiter: anyio.CapacityLimiter = field(default_factory=lambda: anyio.CapacityLimiter(2))
+    io_limiter: anyio.CapacityLimiter = field(default_factory=lambda: anyio.CapacityLimiter(16))
 
     async def run(self, ix: LoadedIndex, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
         """Run CPU-bound work in a worker thread, at most ``compute_concurrency`` at once per index."""
         return await anyio.to_thread.run_sync(functools.partial(fn, *args, **kwargs), limiter=self.limiters[ix.name])
 
+    async def run_cancellable(self, request: Request, ix: LoadedIndex, fn: Callable[..., T], *args: Any,
+                              **kwargs: Any) -> T:
+        """:meth:`run` for long work that takes a ``stop`` event: set when the client disconnects, so the
+        work stops at its next check (the engine raises ``Cancelled``, answered 499)."""
+        stop = threading.Event()
+
+        async def watch() -> None:
+            while not stop.is_set():
+                if await request.is_disconnected():
+                    stop.set()
+                    return
+                await anyio.sleep(0.2)
+
+        failed: BaseException | None = None
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(watch)
+            try:
+                result = await self.run(ix, fn, *args, stop=stop, **kwargs)
+            except Exception as e:  # raised after the group, as itself (not wrapped in an exception group)
+                failed = e
+            finally:
+                stop.set()
+                tg.cancel_scope.cancel()
+        if failed is not None:
+            raise failed
+        return result
+
     async def io(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
-        """Run blocking I/O (the state database) in a worker thread."""
-        return await asyncio.to_thread(fn, *args, **kwargs)
+        """Run blocking I/O (the state database) in a worker thread of its own pool."""
+        return await anyio.to_thread.run_sync(functools.partial(fn, *args, **kwargs), limiter=self.io_limiter)
+
+    async def sql(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+        """Run a SQL statement's wait in a thread of the SQL pool (at most as many as SQL workers; more
+        wait here, without holding a thread, up to ``sql_queue_timeout_s``)."""
+        try:
+            with anyio.fail_after(self.settings.sql_queue_timeout_s):
+                await self.sql_limiter.acquire()
+        except TimeoutError:
+            raise problems.SqlBusy(f"every SQL worker stayed busy for {self.settings.sql_queue_timeout_s:g} s; "
+                                   "try again later") from None
+        try:
+            return await anyio.to_thread.run_sync(functools.partial(fn, *args, **kwargs))
+        finally:
+            self.sql_limiter.release()
 
     def check_limits(self, *, where: str = "", top_k: int | None = None, max_new_tokens: int | None = None,
-                     n_items: tuple[str, int] | None = None) -> None:
-        """Refuse a request over the server's limits, naming the field (``where`` prefixes it)."""
+                     n_items: tuple[str, int] | None = None, options: QueryOptions | None = None,
+                     context: int | None = None) -> None:
+        """Refuse a request over the server's limits, naming the field (``where`` prefixes it).
+        ``options``: an attribution's cost knobs (candidates, re-ranked documents and tokens; ``context``
+        bounds ``exact_tokens: null``)."""
         s = self.settings
+        if options is not None:
+            if options.n_candidates > s.max_candidates:
+                raise problems.InvalidRequest(f"{where}n_candidates: {options.n_candidates} is over the server's "
+                                              f"limit of {s.max_candidates}")
+            if options.exact_rerank > s.max_exact_rerank:
+                raise problems.InvalidRequest(f"{where}exact_rerank: {options.exact_rerank} is over the server's "
+                                              f"limit of {s.max_exact_rerank}")
+            per_seq = options.exact_tokens if options.exact_tokens is not None else (context or 0)
+            if options.mode == "fast" and options.exact_rerank * per_seq > s.max_rerank_tokens:
+                shown = options.exact_tokens if options.exact_tokens is not None else f"null (the context, {context})"
+                raise problems.InvalidRequest(f"{where}exact_rerank x exact_tokens: {options.exact_rerank} x {shown} "
+                                              f"tokens re-scored is over the server's limit of {s.max_rerank_tokens}")
         if top_k is not None and top_k > s.max_top_k:
             raise problems.InvalidRequest(f"{where}top_k: {top_k} is over the server's limit of {s.max_top_k}")
         if max_new_tokens is not None and max_new_tokens > s.max_new_tokens:

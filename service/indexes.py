@@ -89,8 +89,8 @@ class LoadedIndex:
                                             f"[0, {self.n_prototypes})")
 
     # ------------------------------------------------------------------------ work
-    def attribute(self, spec: QuerySpec, options: QueryOptions) -> Attribution:
-        return self.attributor.attribute(spec, options)
+    def attribute(self, spec: QuerySpec, options: QueryOptions, stop: threading.Event | None = None) -> Attribution:
+        return self.attributor.attribute(spec, options, stop=stop)
 
     def generate(self, prompt: str, *, max_new_tokens: int, temperature: float, sample_top_k: int | None,
                  seed: int, suppress: list[int]) -> tuple[Generation, int]:
@@ -141,7 +141,8 @@ def context_text(tok: Any, ids: list[int], pos: int) -> dict[str, str]:
 
 def discover_report(att: Attributor, catalog: Catalog, *, topic: dict[str, Any], contrast: dict[str, Any] | None,
                     top_n: int = 20, min_support: int = 5, min_docs: int = 2, smoothing: float = 0.5,
-                    include_untrained: bool = False, contexts: int = 3, measure: str = "activation") -> dict[str, Any]:
+                    include_untrained: bool = False, contexts: int = 3, measure: str = "activation",
+                    max_tokens: int | None = None, stop: threading.Event | None = None) -> dict[str, Any]:
     """Prototypes that carry a topic (``engine/steering.py``), with evidence; for the API and the CLI.
     ``topic``/``contrast``: {"texts": [...]} or {"doc_ids": [...]} (SQL resolved to ids by the caller)."""
     tok = att.tokenizer
@@ -149,7 +150,7 @@ def discover_report(att: Attributor, catalog: Catalog, *, topic: dict[str, Any],
         topic_texts=topic.get("texts"), topic_docs=topic.get("doc_ids"),
         contrast_texts=(contrast or {}).get("texts"), contrast_docs=(contrast or {}).get("doc_ids"),
         include_untrained=include_untrained, n=top_n, min_support=min_support, min_docs=min_docs,
-        smoothing=smoothing, measure=measure)
+        smoothing=smoothing, measure=measure, max_tokens=max_tokens, stop=stop)
     texts = topic.get("texts")
     encoded = [tok.encode(t).ids for t in texts] if texts is not None else None
     out = []

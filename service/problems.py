@@ -36,7 +36,7 @@ class Problem(BaseModel):
     detail: str = Field(description="What went wrong with this request, naming the field or value.")
     instance: str | None = Field(None, description="The request path.")
     request_id: str | None = Field(None, description="The request's X-Request-ID.")
-    errors: list[dict[str, Any]] | None = Field(None, description="Validation errors, one per field.")
+    errors: list[dict[str, Any]] | None = Field(None, description="Validation errors, one per field (the first 20; the detail counts them all).")
 
 
 class ServiceError(PrismError):
@@ -86,6 +86,12 @@ SqlTooManyRows = _kind("SqlTooManyRows", "sql-too-many-rows", 422, "The SQL quer
 SqlOutOfMemory = _kind("SqlOutOfMemory", "sql-out-of-memory", 422, "The SQL query ran out of memory")
 SqlResultTooLarge = _kind("SqlResultTooLarge", "sql-result-too-large", 422, "The SQL result is too large")
 SqlBusy = _kind("SqlBusy", "sql-busy", 503, "Every SQL worker is busy")
+Forbidden = _kind("Forbidden", "forbidden", 403, "This key may not do that")
+HostNotAllowed = _kind("HostNotAllowed", "host-not-allowed", 403,
+                       "Without API keys the server answers only requests to this machine by a loopback name")
+CrossOrigin = _kind("CrossOrigin", "cross-origin-request", 403, "A state-changing request from another web origin")
+AuditQuota = _kind("AuditQuota", "too-many-audits", 429, "Too many active audits for this key")
+ClientClosed = _kind("ClientClosed", "client-closed-request", 499, "The client closed the request; its work stopped")
 NotReady = _kind("NotReady", "not-ready", 503, "The service is not ready")
 ShardUnavailable = _kind("ShardUnavailable", "shard-unavailable", 503,
                          "Some shards of the index did not answer; try again shortly")
@@ -117,9 +123,12 @@ def _field(loc: tuple | list) -> str:
     return ".".join(parts) or "body"
 
 
+MAX_ERRORS = 20  # validation errors listed in one answer; the detail counts the rest
+
+
 def _jsonable_errors(errors: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    return [{"field": _field(e.get("loc", ())), "message": str(e.get("msg", "")), "type": str(e.get("type", ""))}
-            for e in errors]
+    return [{"field": _field(e.get("loc", ())), "message": str(e.get("msg", ""))[:300], "type": str(e.get("type", ""))}
+            for e in errors[:MAX_ERRORS]]
 
 
 async def _on_error(request: Request, exc: Exception) -> JSONResponse:
@@ -132,23 +141,43 @@ async def _on_error(request: Request, exc: Exception) -> JSONResponse:
             msg = next(e for e in errs if e.get("type") == "json_invalid").get("ctx", {}).get("error", "")
             return error_response(MalformedRequest(f"the body is not valid JSON: {msg}".rstrip(": ")), request)
         items = _jsonable_errors(list(errs))
-        detail = "; ".join(f"{i['field']}: {i['message']}" for i in items)
+        detail = "; ".join(f"{i['field']}: {i['message']}" for i in items[:5])
+        if len(errs) > 5:
+            detail += f" (and {len(errs) - 5} more errors" + (f"; the first {MAX_ERRORS} are listed)"
+                                                               if len(errs) > MAX_ERRORS else ")")
         return error_response(InvalidRequest(detail, errors=items), request)
     if isinstance(exc, QueryError):
         return error_response(from_query_error(exc), request)
     if isinstance(exc, errors.ShardUnavailable):
         return error_response(ShardUnavailable(str(exc), headers={"Retry-After": "5"}), request)
+    if isinstance(exc, errors.Cancelled):  # nobody reads it: the client left; logged and counted as 499
+        return error_response(ClientClosed(str(exc)), request)
     if isinstance(exc, StarletteHTTPException):
         if exc.status_code == 404:
             return error_response(RouteNotFound(f"no endpoint at {request.url.path}"), request)
         if exc.status_code == 400:  # the framework could not read the body (not UTF-8, nested too deep)
             return error_response(MalformedRequest(f"the body cannot be read as JSON: {exc.detail}"), request)
         if exc.status_code == 405:
-            return error_response(MethodNotAllowed(f"{request.method} is not allowed on {request.url.path}",
-                                                   headers=dict(exc.headers or {})), request)
+            allowed = ", ".join(allowed_methods(request)) or dict(exc.headers or {}).get("Allow", "")
+            return error_response(MethodNotAllowed(f"{request.method} is not allowed on {request.url.path}; "
+                                                   f"allowed: {allowed}", headers={"Allow": allowed}), request)
         return problem_response(exc.status_code, "http-error", "HTTP error", str(exc.detail), request,
                                 headers=dict(exc.headers or {}))
     return internal_error(exc, request)
+
+
+def allowed_methods(request: Request) -> list[str]:
+    """Every method some route of the app answers at this path (the framework's 405 names only the first
+    route's): the methods for which the router finds a route that matches in full."""
+    from starlette.routing import Match
+
+    out = []
+    for method in ("GET", "HEAD", "POST", "PUT", "DELETE", "PATCH", "OPTIONS"):
+        scope: dict[str, Any] = {"type": "http", "path": request.url.path, "method": method, "root_path": "", "headers": [],
+                 "query_string": b""}
+        if any(route.matches(scope)[0] == Match.FULL for route in request.app.router.routes):
+            out.append(method)
+    return out
 
 
 def internal_error(exc: BaseException, request: Request | None, path: str | None = None) -> JSONResponse:
@@ -167,8 +196,8 @@ def from_query_error(exc: QueryError, *, where: str = "") -> ServiceError:
 
 
 def install(app: FastAPI) -> None:
-    for exc_type in (ServiceError, RequestValidationError, QueryError, errors.ShardUnavailable, StarletteHTTPException,
-                     Exception):
+    for exc_type in (ServiceError, RequestValidationError, QueryError, errors.ShardUnavailable, errors.Cancelled,
+                     StarletteHTTPException, Exception):
         app.add_exception_handler(exc_type, _on_error)
 
 
@@ -176,7 +205,7 @@ def responses(*kinds: type[ServiceError]) -> dict[int | str, dict[str, Any]]:
     """OpenAPI ``responses`` entry documenting the problem kinds a route may answer."""
     out: dict[int | str, dict[str, Any]] = {}
     by_status: dict[int, list[type[ServiceError]]] = {}
-    for k in (*kinds, InvalidRequest, MalformedRequest, Unauthorized, RateLimited):
+    for k in (*kinds, InvalidRequest, MalformedRequest, Unauthorized, RateLimited, CrossOrigin, HostNotAllowed):
         by_status.setdefault(k.status, []).append(k)
     for status, ks in sorted(by_status.items()):
         names = ", ".join(f"`{TYPE_PREFIX}{k.kind}`" for k in dict.fromkeys(ks))

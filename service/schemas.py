@@ -4,7 +4,15 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StringConstraints, model_validator
+from pydantic import (
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    StrictBool,
+    StringConstraints,
+    model_validator,
+)
 
 from prism_tda.engine.types import (
     Aggregation,
@@ -20,7 +28,28 @@ from prism_tda.engine.types import (
 IndexName = Annotated[str | None, Field(None, max_length=200, description="Index to use (default: the server's "
                                                                           "default index).")]
 Prompt = Annotated[str, Field(min_length=1, max_length=20_000, description="The prompt text.")]
-ProtoId = Annotated[int, Field(ge=0, le=2**31 - 1)]
+
+
+def _json_int(v: Any) -> Any:
+    """An integer as JSON Schema has it: a number without a fraction (5 or 5.0), never a boolean or a string."""
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or (isinstance(v, float) and not v.is_integer()):
+        raise ValueError("must be an integer")
+    return int(v)
+
+
+def _json_number(v: Any) -> Any:
+    """A number as JSON Schema has it: never a boolean or a string."""
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        raise ValueError("must be a number")
+    return v
+
+
+# Request fields take JSON's own types only (pydantic's lax mode would turn true into 1 and "5" into 5,
+# which the schema refuses): the server accepts exactly what openapi.yaml describes.
+JInt = Annotated[int, BeforeValidator(_json_int)]
+JFloat = Annotated[float, BeforeValidator(_json_number)]
+ProtoId = Annotated[JInt, Field(ge=0, le=2**31 - 1)]
+DocId = Annotated[JInt, Field(ge=0, le=2**31 - 1)]
 SetName = Annotated[str, StringConstraints(pattern=r"^[A-Za-z0-9_.-]{1,64}$")]
 
 
@@ -28,30 +57,47 @@ class Strict(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
 
+MAX_LIST = 10_000  # the longest list any request may carry (the server's own limits are lower)
+
+
+class OneTarget(Strict):
+    """A query's target: ``completion`` or ``max_new_tokens``, never both (not even one of them null), as
+    the schema says (``not: required [completion, max_new_tokens]``)."""
+
+    model_config = ConfigDict(extra="forbid", json_schema_extra={"not": {"required": ["completion", "max_new_tokens"]}})
+
+    @model_validator(mode="before")
+    @classmethod
+    def _one_target(cls, data: Any) -> Any:
+        if isinstance(data, dict) and "completion" in data and "max_new_tokens" in data:
+            raise ValueError("give either completion or max_new_tokens, not both")
+        return data
+
+
 # ---------------------------------------------------------------------------- attribute
-class AttributeRequest(Strict):
+class AttributeRequest(OneTarget):
     index: IndexName
     prompt: Prompt
     completion: str | None = Field(None, min_length=1, max_length=20_000,
                                    description="The output to attribute. Omit it (and `max_new_tokens`) to "
                                                "attribute the prompt's own next-token predictions.")
-    max_new_tokens: int | None = Field(None, ge=1, le=4096, description="Generate this many tokens greedily "
+    max_new_tokens: JInt | None = Field(None, ge=1, le=4096, description="Generate this many tokens greedily "
                                                                         "and attribute them (no `completion`).")
-    target_index: int | None = Field(None, ge=0, le=100_000, description="Attribute only this target token.")
-    top_k: int = Field(10, ge=1, le=1000, description="Documents to return (at most the server's max_top_k).")
+    target_index: JInt | None = Field(None, ge=0, le=100_000, description="Attribute only this target token.")
+    top_k: JInt = Field(10, ge=1, le=1000, description="Documents to return (at most the server's max_top_k).")
     mode: Mode = Field("fast", description="fast: FAISS and posting-list candidates, shortlisted from the stored "
                                            "codes, re-ranked exactly; exact: every training token recomputed by "
                                            "the model (refused past the server's exact_max_tokens).")
-    n_candidates: int = Field(256, ge=1, le=16_384, description="Candidate sequences the fast path asks FAISS for.")
-    exact_rerank: int = Field(32, ge=1, le=1024, description="Fast path: documents re-scored exactly by the model "
+    n_candidates: JInt = Field(256, ge=1, le=16_384, description="Candidate sequences the fast path asks FAISS for.")
+    exact_rerank: JInt = Field(32, ge=1, le=1024, description="Fast path: documents re-scored exactly by the model "
                                                              "before ranking (at least top_k are).")
-    exact_tokens: int | None = Field(16, ge=1, le=4096, description="Fast path, best-token aggregations: tokens "
+    exact_tokens: JInt | None = Field(16, ge=1, le=4096, description="Fast path, best-token aggregations: tokens "
                                      "of each re-ranked sequence re-scored exactly, the best by their "
                                      "approximate scores first; null: every token.")
-    nprobe: int | None = Field(None, ge=1, le=65_536, description="FAISS lists searched (IVF indexes; default: "
+    nprobe: JInt | None = Field(None, ge=1, le=65_536, description="FAISS lists searched (IVF indexes; default: "
                                                                   "the index's, in its manifest).")
-    opponents: bool = Field(False, description="Return the documents that most oppose the output.")
-    damping: float | None = Field(None, gt=0, le=1e6, description="Curvature damping, x the mean curvature "
+    opponents: StrictBool = Field(False, description="Return the documents that most oppose the output.")
+    damping: JFloat | None = Field(None, gt=0, le=1e6, description="Curvature damping, x the mean curvature "
                                                                   "eigenvalue (default: the index's).")
     aggregation: Aggregation = Field("cosine_max", description="How a document's token scores make its score: "
                                                                "the best token's cosine (default), the sum of "
@@ -59,9 +105,9 @@ class AttributeRequest(Strict):
                                                                "cosine_match: each target token matched to its "
                                                                "best token of the document, averaged (a "
                                                                "multi-token target matched as a whole).")
-    include_untrained: bool = Field(False, description="Also return documents the checkpoint did not train on "
+    include_untrained: StrictBool = Field(False, description="Also return documents the checkpoint did not train on "
                                                        "(its validation split); each document says `trained`.")
-    allow_partial: bool = Field(False, description="Served from a cluster: when some shards do not answer, return "
+    allow_partial: StrictBool = Field(False, description="Served from a cluster: when some shards do not answer, return "
                                                    "the best documents of the others (`partial: true`, naming the "
                                                    "missing shards) instead of 503 `shard-unavailable`.")
 
@@ -74,11 +120,6 @@ class AttributeRequest(Strict):
                             exact_rerank=self.exact_rerank, exact_tokens=self.exact_tokens, nprobe=self.nprobe,
                             include_untrained=self.include_untrained, allow_partial=self.allow_partial)
 
-    @model_validator(mode="after")
-    def _one_target(self) -> AttributeRequest:
-        if self.completion is not None and self.max_new_tokens is not None:
-            raise ValueError("give either completion or max_new_tokens, not both")
-        return self
 
 
 class AttributeResponse(BaseModel):
@@ -103,14 +144,14 @@ class AttributeResponse(BaseModel):
 class GenerateRequest(Strict):
     index: IndexName
     prompt: Prompt
-    max_new_tokens: int | None = Field(None, ge=1, le=4096, description="Tokens to generate (at most the "
+    max_new_tokens: JInt | None = Field(None, ge=1, le=4096, description="Tokens to generate (at most the "
                                        "server's max_new_tokens; default 32 or that limit when lower).")
-    temperature: float = Field(0.0, ge=0.0, le=10.0, description="0: greedy; below 0.001 counts as greedy "
+    temperature: JFloat = Field(0.0, ge=0.0, le=10.0, description="0: greedy; below 0.001 counts as greedy "
                                                                   "(dividing by it would overflow).")
-    top_k: int | None = Field(None, ge=1, le=100_000, description="Sample from the top-k tokens only (a sampling "
+    top_k: JInt | None = Field(None, ge=1, le=100_000, description="Sample from the top-k tokens only (a sampling "
                                                                   "cut-off, not the documents' top_k).")
-    seed: int = Field(0, ge=0, le=2**63 - 1)
-    suppress: list[ProtoId] | SetName | None = Field(
+    seed: JInt = Field(0, ge=0, le=2**63 - 1)
+    suppress: Annotated[list[ProtoId], Field(max_length=MAX_LIST)] | SetName | None = Field(
         None, description="Prototypes that contribute nothing to the logits: a list of ids, or the name of "
                           "a stored prototype set.")
 
@@ -126,18 +167,12 @@ class GenerateResponse(BaseModel):
 
 
 # ---------------------------------------------------------------------------- audits
-class AuditItemIn(Strict):
+class AuditItemIn(OneTarget):
     id: str | None = Field(None, max_length=200, description="Your id for the item (kept in the results).")
     prompt: Prompt
     completion: str | None = Field(None, min_length=1, max_length=20_000)
-    max_new_tokens: int | None = Field(None, ge=1, le=4096)
+    max_new_tokens: JInt | None = Field(None, ge=1, le=4096)
     flag: SetName | None = Field(None, description="Prototype set flagging this item (overrides the audit's).")
-
-    @model_validator(mode="after")
-    def _one_target(self) -> AuditItemIn:
-        if self.completion is not None and self.max_new_tokens is not None:
-            raise ValueError("give either completion or max_new_tokens, not both")
-        return self
 
     def spec(self) -> QuerySpec:
         return QuerySpec(self.prompt, self.completion, self.max_new_tokens)
@@ -145,16 +180,17 @@ class AuditItemIn(Strict):
 
 class AuditRequest(Strict):
     index: IndexName
-    items: list[AuditItemIn] = Field(min_length=1, description="The (prompt, output) pairs to attribute.")
-    top_k: int = Field(10, ge=1, le=1000)
+    items: list[AuditItemIn] = Field(min_length=1, max_length=MAX_LIST,
+                                     description="The (prompt, output) pairs to attribute.")
+    top_k: JInt = Field(10, ge=1, le=1000)
     mode: Mode = "fast"
-    n_candidates: int = Field(256, ge=1, le=16_384)
-    include_untrained: bool = Field(False, description="Also attribute to documents the checkpoint did not train "
+    n_candidates: JInt = Field(256, ge=1, le=16_384)
+    include_untrained: StrictBool = Field(False, description="Also attribute to documents the checkpoint did not train "
                                                        "on; each result document says `trained`.")
     flag: SetName | None = Field(None, description="Name of a prototype set: items whose target tokens used any "
                                                    "of its prototypes are flagged.")
-    flag_prototypes: list[ProtoId] | None = Field(None, description="Prototype ids flagging items (with `flag`: "
-                                                                    "added to the set).")
+    flag_prototypes: list[ProtoId] | None = Field(None, max_length=MAX_LIST, description="Prototype ids flagging "
+                                                  "items (with `flag`: added to the set).")
 
 
 class AuditJob(BaseModel):
@@ -182,6 +218,12 @@ class AuditItemOut(BaseModel):
     flagged_prototypes: list[int]
     used_prototypes: list[int]
     documents: list[dict[str, Any]]
+
+
+class AuditList(BaseModel):
+    total: int = Field(description="Audits that match, over every page.")
+    audits: list[AuditJob] = Field(description="This page, newest first.")
+    next_offset: int | None = Field(description="`offset` of the next page; null on the last page.")
 
 
 class AuditItems(BaseModel):
@@ -221,7 +263,7 @@ class Document(BaseModel):
 
 class DocumentBatchRequest(Strict):
     index: IndexName
-    ids: list[Annotated[int, Field(ge=0, le=2**31 - 1)]] = Field(min_length=1)
+    ids: list[DocId] = Field(min_length=1, max_length=MAX_LIST)
 
 
 class DocumentBatch(BaseModel):
@@ -277,7 +319,7 @@ class PrototypeList(BaseModel):
 
 class PrototypeSetIn(Strict):
     index: IndexName
-    prototypes: list[ProtoId] = Field(min_length=1)
+    prototypes: list[ProtoId] = Field(min_length=1, max_length=MAX_LIST)
     description: str | None = Field(None, max_length=2000)
 
 
@@ -287,6 +329,8 @@ class PrototypeSet(BaseModel):
     prototypes: list[int]
     description: str | None
     updated_at: float
+    shared: bool = Field(description="Readable by every key, written by admin keys only (seeded by the operator or "
+                                     "written with an admin key); otherwise the set belongs to the key that wrote it.")
 
 
 class PrototypeSets(BaseModel):
@@ -295,11 +339,16 @@ class PrototypeSets(BaseModel):
 
 
 class TextSource(Strict):
-    """Where a topic's (or a contrast's) tokens come from: exactly one of the three."""
+    """Where a topic's (or a contrast's) tokens come from: exactly one of the three (the others absent or
+    null), as the schema says (``oneOf``)."""
+
+    model_config = ConfigDict(extra="forbid", json_schema_extra={"oneOf": [
+        {"required": [k], "properties": {k: {"type": t}}} for k, t in (("texts", "array"), ("doc_ids", "array"),
+                                                                       ("sql", "string"))]})
 
     texts: list[Annotated[str, Field(min_length=1, max_length=20_000)]] | None = Field(
         None, min_length=1, max_length=1000, description="Example texts, run through the model.")
-    doc_ids: list[Annotated[int, Field(ge=0, le=2**31 - 1)]] | None = Field(
+    doc_ids: list[DocId] | None = Field(
         None, min_length=1, max_length=100_000, description="Documents of the index (their stored activations).")
     sql: str | None = Field(None, min_length=1, max_length=20_000,
                             description="One read-only SQL statement over the store whose first column is "
@@ -318,13 +367,13 @@ class DiscoverRequest(Strict):
     topic: TextSource
     contrast: TextSource | None = Field(None, description="Default: the rest of the corpus (the whole corpus when "
                                                           "the topic is pasted texts).")
-    top_n: int = Field(20, ge=1, le=1000, description="Prototypes to return.")
-    min_support: int = Field(5, ge=1, le=10**9, description="Least topic tokens a prototype must be active on.")
-    min_docs: int = Field(2, ge=1, le=10**9, description="Least topic documents (texts) it must be active in.")
-    smoothing: float = Field(0.5, gt=0, le=1000, description="Tokens of mean activation added to both sides of the "
+    top_n: JInt = Field(20, ge=1, le=1000, description="Prototypes to return.")
+    min_support: JInt = Field(5, ge=1, le=10**9, description="Least topic tokens a prototype must be active on.")
+    min_docs: JInt = Field(2, ge=1, le=10**9, description="Least topic documents (texts) it must be active in.")
+    smoothing: JFloat = Field(0.5, gt=0, le=1000, description="Tokens of mean activation added to both sides of the "
                                                             "ratio, so that rare prototypes do not win on chance.")
-    include_untrained: bool = Field(False, description="Also count documents the checkpoint did not train on.")
-    contexts: int = Field(3, ge=0, le=5, description="Strongest topic contexts shown per prototype.")
+    include_untrained: StrictBool = Field(False, description="Also count documents the checkpoint did not train on.")
+    contexts: JInt = Field(3, ge=0, le=5, description="Strongest topic contexts shown per prototype.")
     measure: Literal["activation", "logit"] = Field(
         "activation", description="What a token counts for a prototype: its activation, or its positive share of "
                                   "the next token's logit `a_i (W p_i)_y` (the per-token view; the default contrast "

@@ -86,7 +86,18 @@ class Settings(BaseSettings):
     max_new_tokens: int = Field(128, ge=1, description="Most tokens one request may generate.")
     max_top_k: int = Field(100, ge=1, description="Most documents one attribution may return.")
     cors_origins: list[str] = Field(default_factory=list, description="Origins allowed by CORS (JSON list); "
-                                                                      "empty: CORS off.")
+                                                                      "empty: CORS off. State-changing requests "
+                                                                      "from any other web origin are refused.")
+    forwarded_allow_ips: list[str] = Field(
+        default_factory=list,
+        description="Reverse proxies trusted to name the client (JSON list of addresses or networks, e.g. the "
+                    "compose gateway's): from them, `X-Forwarded-For` and `X-Forwarded-Proto` set the client "
+                    "address that rate limits and failed-authentication limits count by. Empty: proxy headers "
+                    "are ignored and the client is the connection's peer.")
+    allowed_hosts: list[str] = Field(
+        default_factory=list,
+        description="Without API keys, Host names answered besides localhost, 127.0.0.1 and [::1] (JSON list); "
+                    "any other Host is refused (DNS rebinding). Ignored when API keys are set.")
     compute_concurrency: int = Field(2, ge=1, description="Model/attribution computations that run at once "
                                                           "per index; more requests wait their turn.")
     torch_threads: int | None = Field(None, ge=1, description="torch intra-op threads (default: torch's own).")
@@ -109,6 +120,27 @@ class Settings(BaseSettings):
     sql_queue_timeout_s: float = Field(30.0, gt=0, description="How long a SQL statement may wait for a free worker "
                                                               "before it is refused (`sql-busy`).")
     audit_poll_s: float = Field(1.0, gt=0, description="How often an idle audit worker looks for new work.")
+    max_active_audits_per_key: int = Field(
+        16, ge=1, description="Queued or running audits one API key may have at once (admin keys and keyless "
+                              "loopback use are not limited); more are refused with 429 `too-many-audits`.")
+    audit_max_attempts: int = Field(
+        3, ge=1, description="Times an audit item is started before it is marked failed (an item that keeps "
+                             "failing unexpectedly, or crashing the server, never blocks the queue).")
+    audit_retention_days: float = Field(
+        30.0, ge=0, description="Finished (completed or cancelled) audits are deleted, with their items and "
+                                "results, this many days after they finished; 0 keeps them for ever.")
+    max_candidates: int = Field(4096, ge=1, description="Most candidate sequences (`n_candidates`) one "
+                                                        "attribution may ask the fast path for.")
+    max_exact_rerank: int = Field(256, ge=1, description="Most documents (`exact_rerank`) one fast attribution "
+                                                         "may re-score with the model.")
+    max_rerank_tokens: int = Field(
+        32_768, ge=1, description="Most training tokens one fast attribution may re-score with the model: "
+                                  "`exact_rerank` x `exact_tokens` (x the context length when `exact_tokens` is "
+                                  "null).")
+    discover_max_tokens: int = Field(
+        2_000_000, ge=0, description="Most stored tokens one prototype discovery may read (its documents, and "
+                                     "for `measure: logit` the corpus pass behind the default contrast until "
+                                     "its totals are cached); larger requests answer 422 `invalid-query`.")
     prototype_sets: dict[str, list[int]] = Field(
         default_factory=dict,
         description="Named prototype sets created in every index at start-up (JSON {name: [ids]}), for "

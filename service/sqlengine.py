@@ -187,7 +187,14 @@ class Engine:
             # small batches: a batch of wide rows is what the result-size cap has to stop
             reader = cur.sql(query).limit(self.max_rows + 1).to_arrow_reader(64)
             columns = [{"name": f.name, "type": str(f.type)} for f in reader.schema]
-            rows, n = self._encode(reader, t0)
+            # the column names and types are part of the answer: they count against the result's size
+            head = len(json.dumps(columns, ensure_ascii=False).encode())
+            if head > self.max_result_bytes:
+                raise SqlRefusal("sql-result-too-large", f"the result's columns alone ({len(columns)} columns, "
+                                                         f"{head} bytes of names and types) are larger than "
+                                                         f"{self.max_result_bytes} bytes; select fewer or simpler "
+                                                         "columns")
+            rows, n = self._encode(reader, t0, head)
         except duckdb.InterruptException:
             raise SqlRefusal("sql-timeout", f"the query ran longer than {self.timeout_s:g} s and was "
                                             "interrupted") from None
@@ -206,8 +213,8 @@ class Engine:
                 cur.unregister(name)
         return {"ok": True, "columns": columns, "row_count": n}, rows
 
-    def _encode(self, reader: pa.RecordBatchReader, t0: float) -> tuple[bytes, int]:
-        parts, n, size = [b"["], 0, 2
+    def _encode(self, reader: pa.RecordBatchReader, t0: float, head: int = 0) -> tuple[bytes, int]:
+        parts, n, size = [b"["], 0, 2 + head
         for batch in reader:
             cols = [c.to_pylist() for c in batch.columns]
             for i in range(batch.num_rows):
@@ -272,7 +279,8 @@ def main(argv: list[str] | None = None) -> int:
                                           principal=a.get("principal"))
 
             def sets(a: dict[str, Any] = audit) -> pa.Table:
-                return read_prototype_sets(Path(cfg["state_path"]), index_name=a["index_name"])
+                return read_prototype_sets(Path(cfg["state_path"]), index_name=a["index_name"],
+                                           principal=a.get("principal"))
         try:
             header, rows = engine.run(req["sql"], source, sets)
         except SqlRefusal as e:

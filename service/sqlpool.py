@@ -43,12 +43,21 @@ from .sqlengine import SqlRefusal
 
 log = logging.getLogger("prism.service.sql")
 
+_SECRET_WORDS = ("KEY", "SECRET", "TOKEN", "PASSWORD", "CREDENTIAL")
+
+
+def worker_env() -> dict[str, str]:
+    """The environment of a SQL worker: the server's, without its secrets (API keys and anything named like
+    a key, secret, token, password or credential): a worker runs user SQL and needs none of them."""
+    return {k: v for k, v in os.environ.items() if not any(w in k.upper() for w in _SECRET_WORDS)}
+
+
 class _Worker:
     """One worker process and the bytes read from it so far."""
 
     def __init__(self, config: dict[str, Any]) -> None:
         self.proc = subprocess.Popen([sys.executable, "-m", "prism_tda.service.sqlengine", json.dumps(config)],
-                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, bufsize=0)
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, bufsize=0, env=worker_env())
         self.buf = bytearray()
         self.base = 0  # anonymous memory once ready
 
@@ -80,8 +89,9 @@ class _Worker:
                 raise TimeoutError
             if max_anon is not None and status_bytes(self.pid, "RssAnon") > max_anon:
                 raise MemoryError
-            ready, _, _ = select.select([fd], [], [], 0.01)
-            if ready:
+            poller = select.poll()  # not select(): it fails once the process has 1,024 descriptors open
+            poller.register(fd, select.POLLIN)
+            if poller.poll(10):
                 chunk = os.read(fd, 1 << 20)
                 if not chunk:
                     raise EOFError

@@ -1,6 +1,8 @@
 """Durable service state in SQLite (WAL): audit jobs, their items and results, prototype sets.
 
-An audit is written (job + every item) in one transaction before the server answers 202. The
+An audit is written (job + every item) in one transaction before the server answers 202. Keys take
+turns at the worker (``turns``), an item is started at most a bounded number of times, and finished
+audits are purged after the retention time. The
 worker finishes an item in one transaction too: its results rows, its ``done`` status and the
 job's progress commit together, guarded by ``status = 'pending'``, so a server killed at any
 moment and restarted processes every item exactly once (``completions`` counts the commits;
@@ -44,10 +46,16 @@ CREATE TABLE IF NOT EXISTS results (
     PRIMARY KEY (job_id, item_no, rank)
 );
 CREATE TABLE IF NOT EXISTS prototype_sets (
-    index_name TEXT NOT NULL, name TEXT NOT NULL, prototypes TEXT NOT NULL, description TEXT,
-    updated_at REAL NOT NULL, PRIMARY KEY (index_name, name)
+    index_name TEXT NOT NULL, owner TEXT NOT NULL, name TEXT NOT NULL, prototypes TEXT NOT NULL,
+    description TEXT, updated_at REAL NOT NULL, PRIMARY KEY (index_name, owner, name)
 );
+CREATE INDEX IF NOT EXISTS jobs_by_principal ON jobs (principal, created_at);
+CREATE TABLE IF NOT EXISTS turns (principal TEXT PRIMARY KEY, served_at REAL NOT NULL);
 """
+
+# The owner of the prototype sets that every key reads and only admins write: sets seeded from the
+# settings (PRISM_PROTOTYPE_SETS) and sets written with an admin key (or keyless, on loopback).
+SHARED = "*"
 
 ACTIVE = ("queued", "running")
 
@@ -72,7 +80,14 @@ class StateDB:
         self.path = self.dir / "state.sqlite3"
         with self._connect() as con:
             con.execute("PRAGMA journal_mode = WAL")
+            sets = {r["name"] for r in con.execute("PRAGMA table_info(prototype_sets)")}
+            if sets and "owner" not in sets:  # sets from before owners: they become shared (admins write them)
+                con.execute("ALTER TABLE prototype_sets RENAME TO prototype_sets_unowned")
             con.executescript(SCHEMA)
+            if sets and "owner" not in sets:
+                con.execute("INSERT INTO prototype_sets SELECT index_name, ?, name, prototypes, description, updated_at "
+                            "FROM prototype_sets_unowned", (SHARED,))
+                con.execute("DROP TABLE prototype_sets_unowned")
             cols = {r["name"] for r in con.execute("PRAGMA table_info(results)")}
             if "trained" not in cols:  # a state database from before the column: results then count as trained
                 con.execute("ALTER TABLE results ADD COLUMN trained INTEGER")
@@ -143,50 +158,110 @@ class StateDB:
                                (job_id, -1 if limit is None else limit, offset)).fetchall()
         return [_item(r) for r in rows]
 
-    def next_item(self, index_names: list[str]) -> dict[str, Any] | None:
-        """The oldest pending item of an active job on one of ``index_names``; counts the attempt."""
+    def jobs(self, principal: str | None, *, status: str | None = None, index_name: str | None = None,
+             offset: int = 0, limit: int = 50) -> tuple[int, list[dict[str, Any]]]:
+        """(total, page) of the audits of ``principal`` (None: everyone's), newest first."""
+        where, args = [], []
+        for col, val in (("principal", principal), ("status", status), ("index_name", index_name)):
+            if val is not None:
+                where.append(f"{col} = ?")
+                args.append(val)
+        cond = (" WHERE " + " AND ".join(where)) if where else ""
+        with self._connect() as con:
+            total = con.execute(f"SELECT count(*) FROM jobs{cond}", args).fetchone()[0]
+            rows = con.execute(f"SELECT * FROM jobs{cond} ORDER BY created_at DESC, id DESC LIMIT ? OFFSET ?",
+                               [*args, limit, offset]).fetchall()
+        return int(total), [_job(r) for r in rows]
+
+    def active_jobs(self, principal: str) -> int:
+        """Queued or running audits of ``principal``."""
+        with self._connect() as con:
+            return int(con.execute("SELECT count(*) FROM jobs WHERE principal = ? AND status IN ('queued', 'running')",
+                                   (principal,)).fetchone()[0])
+
+    def next_item(self, index_names: list[str], max_attempts: int | None = None) -> dict[str, Any] | None:
+        """The next pending item of an active job on one of ``index_names``; counts the attempt.
+
+        Keys take turns: the key served longest ago (or never) goes first, and within a key its oldest
+        audit, so one key's large audit does not hold back another's. An item already started
+        ``max_attempts`` times (it failed unexpectedly, or the server died on it) is marked failed
+        instead of being started again."""
         marks = ", ".join("?" * len(index_names))
+        while True:
+            with self._tx() as con:
+                who = con.execute(
+                    "SELECT j.principal FROM jobs j LEFT JOIN turns t ON t.principal = j.principal "
+                    f"WHERE j.status IN ('queued', 'running') AND j.index_name IN ({marks}) AND EXISTS "
+                    "(SELECT 1 FROM items i WHERE i.job_id = j.id AND i.status = 'pending') "
+                    "ORDER BY coalesce(t.served_at, 0), j.created_at LIMIT 1", index_names).fetchone()
+                if who is None:
+                    return None
+                row = con.execute(
+                    "SELECT i.*, j.index_name, j.params FROM items i JOIN jobs j ON j.id = i.job_id "
+                    f"WHERE i.status = 'pending' AND j.status IN ('queued', 'running') AND j.index_name IN ({marks}) "
+                    "AND j.principal = ? ORDER BY j.created_at, i.job_id, i.item_no LIMIT 1",
+                    [*index_names, who[0]]).fetchone()
+                now = time.time()
+                con.execute("INSERT INTO turns (principal, served_at) VALUES (?, ?) ON CONFLICT (principal) "
+                            "DO UPDATE SET served_at = excluded.served_at", (who[0], now))
+                if max_attempts is not None and row["attempts"] >= max_attempts:
+                    self._finish(con, row["job_id"], row["item_no"], now,
+                                 error=f"internal error: the item was started {row['attempts']} times without "
+                                       "finishing; it is not tried again")
+                    continue
+                con.execute("UPDATE items SET attempts = attempts + 1 WHERE job_id = ? AND item_no = ?",
+                            (row["job_id"], row["item_no"]))
+                con.execute("UPDATE jobs SET status = 'running', updated_at = ? WHERE id = ? AND status = 'queued'",
+                            (now, row["job_id"]))
+            out = _item(row)
+            out["attempts"] = row["attempts"] + 1
+            out["index_name"], out["params"] = row["index_name"], json.loads(row["params"])
+            return out
+
+    def purge_finished(self, older_than_s: float) -> int:
+        """Delete finished audits (completed or cancelled) last updated more than ``older_than_s`` ago,
+        with their items and results; the number of audits deleted."""
+        cutoff = time.time() - older_than_s
         with self._tx() as con:
-            row = con.execute(
-                "SELECT i.*, j.index_name, j.params FROM items i JOIN jobs j ON j.id = i.job_id "
-                f"WHERE i.status = 'pending' AND j.status IN ('queued', 'running') AND j.index_name IN ({marks}) "
-                "ORDER BY j.created_at, i.job_id, i.item_no LIMIT 1", index_names).fetchone()
-            if row is None:
-                return None
-            con.execute("UPDATE items SET attempts = attempts + 1 WHERE job_id = ? AND item_no = ?",
-                        (row["job_id"], row["item_no"]))
-            con.execute("UPDATE jobs SET status = 'running', updated_at = ? WHERE id = ? AND status = 'queued'",
-                        (time.time(), row["job_id"]))
-        out = _item(row)
-        out["index_name"], out["params"] = row["index_name"], json.loads(row["params"])
-        return out
+            ids = [r[0] for r in con.execute("SELECT id FROM jobs WHERE status IN ('completed', 'cancelled') "
+                                             "AND updated_at < ?", (cutoff,)).fetchall()]
+            for i in range(0, len(ids), 500):
+                part = ids[i:i + 500]
+                marks = ", ".join("?" * len(part))
+                for table, col in (("results", "job_id"), ("items", "job_id"), ("jobs", "id")):
+                    con.execute(f"DELETE FROM {table} WHERE {col} IN ({marks})", part)
+        return len(ids)
 
     def finish_item(self, job_id: str, item_no: int, *, error: str | None = None,
                     result: dict[str, Any] | None = None) -> bool:
         """Commit an item's outcome, results and the job's progress in one transaction."""
-        now = time.time()
+        with self._tx() as con:
+            return self._finish(con, job_id, item_no, time.time(), error=error, result=result)
+
+    @staticmethod
+    def _finish(con: sqlite3.Connection, job_id: str, item_no: int, now: float, *, error: str | None = None,
+                result: dict[str, Any] | None = None) -> bool:
         status = "failed" if error is not None else "done"
         r = result or {}
-        with self._tx() as con:
-            cur = con.execute(
-                "UPDATE items SET status = ?, error = ?, completions = completions + 1, target_text = ?, "
-                "used_prototypes = ?, flagged_prototypes = ?, documents = ?, updated_at = ? "
-                "WHERE job_id = ? AND item_no = ? AND status = 'pending'",
-                (status, error, r.get("target_text"), json.dumps(r.get("used_prototypes", [])),
-                 json.dumps(r.get("flagged_prototypes", [])), json.dumps(r.get("documents", [])), now,
-                 job_id, item_no))
-            if cur.rowcount != 1:
-                return False
-            con.executemany(
-                "INSERT INTO results (job_id, item_no, rank, doc_id, score, raw_influence, seq_id, trained) "
-                "VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
-                [(job_id, item_no, rank, d["doc_id"], d["score"], d.get("raw_influence"), d.get("seq_id"),
-                  int(d.get("trained", True)))
-                 for rank, d in enumerate(r.get("documents", []), 1)])
-            col = "n_failed" if error is not None else "n_done"
-            con.execute(f"UPDATE jobs SET {col} = {col} + 1, updated_at = ?, status = CASE WHEN "
-                        "n_done + n_failed + 1 >= n_items AND status = 'running' THEN 'completed' ELSE status END "
-                        "WHERE id = ?", (now, job_id))
+        cur = con.execute(
+            "UPDATE items SET status = ?, error = ?, completions = completions + 1, target_text = ?, "
+            "used_prototypes = ?, flagged_prototypes = ?, documents = ?, updated_at = ? "
+            "WHERE job_id = ? AND item_no = ? AND status = 'pending'",
+            (status, error, r.get("target_text"), json.dumps(r.get("used_prototypes", [])),
+             json.dumps(r.get("flagged_prototypes", [])), json.dumps(r.get("documents", [])), now,
+             job_id, item_no))
+        if cur.rowcount != 1:
+            return False
+        con.executemany(
+            "INSERT INTO results (job_id, item_no, rank, doc_id, score, raw_influence, seq_id, trained) "
+            "VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
+            [(job_id, item_no, rank, d["doc_id"], d["score"], d.get("raw_influence"), d.get("seq_id"),
+              int(d.get("trained", True)))
+             for rank, d in enumerate(r.get("documents", []), 1)])
+        col = "n_failed" if error is not None else "n_done"
+        con.execute(f"UPDATE jobs SET {col} = {col} + 1, updated_at = ?, status = CASE WHEN "
+                    "n_done + n_failed + 1 >= n_items AND status IN ('queued', 'running') THEN 'completed' "
+                    "ELSE status END WHERE id = ?", (now, job_id))
         return True
 
     def audit_results(self, index_name: str | None = None, job_id: str | None = None,
@@ -196,49 +271,65 @@ class StateDB:
             return _audit_results(con, index_name, job_id, principal)
 
     # ------------------------------------------------------------------------ prototype sets
-    def put_set(self, index_name: str, name: str, prototypes: list[int], description: str | None) -> dict[str, Any]:
+    # A set belongs to the key that wrote it (``owner``: the principal id) or is shared (``SHARED``:
+    # seeded from the settings or written by an admin). A key sees its own sets and the shared ones;
+    # by name, its own set comes first. Admins read every set and write the shared ones.
+    def put_set(self, index_name: str, owner: str, name: str, prototypes: list[int],
+                description: str | None) -> dict[str, Any]:
         with self._tx() as con:
-            con.execute("INSERT INTO prototype_sets (index_name, name, prototypes, description, updated_at) "
-                        "VALUES (?, ?, ?, ?, ?) ON CONFLICT (index_name, name) DO UPDATE SET "
+            con.execute("INSERT INTO prototype_sets (index_name, owner, name, prototypes, description, updated_at) "
+                        "VALUES (?, ?, ?, ?, ?, ?) ON CONFLICT (index_name, owner, name) DO UPDATE SET "
                         "prototypes = excluded.prototypes, description = excluded.description, "
                         "updated_at = excluded.updated_at",
-                        (index_name, name, json.dumps(sorted(set(prototypes))), description, time.time()))
-        return self.get_set(index_name, name)  # type: ignore[return-value]
+                        (index_name, owner, name, json.dumps(sorted(set(prototypes))), description, time.time()))
+        return self.get_set(index_name, name, owner)  # type: ignore[return-value]
 
-    def get_set(self, index_name: str, name: str) -> dict[str, Any] | None:
+    def get_set(self, index_name: str, name: str, reader: str) -> dict[str, Any] | None:
+        """The set ``name`` as ``reader`` sees it: its own, else the shared one."""
         with self._connect() as con:
-            row = con.execute("SELECT * FROM prototype_sets WHERE index_name = ? AND name = ?",
-                              (index_name, name)).fetchone()
+            row = con.execute("SELECT * FROM prototype_sets WHERE index_name = ? AND name = ? AND owner IN (?, ?) "
+                              "ORDER BY owner = ? LIMIT 1", (index_name, name, reader, SHARED, SHARED)).fetchone()
         return _set(row) if row is not None else None
 
-    def list_sets(self, index_name: str) -> list[dict[str, Any]]:
+    def list_sets(self, index_name: str, reader: str | None) -> list[dict[str, Any]]:
+        """The sets ``reader`` sees (its own and the shared ones); ``None``: every set (admins)."""
         with self._connect() as con:
-            rows = con.execute("SELECT * FROM prototype_sets WHERE index_name = ? ORDER BY name",
-                               (index_name,)).fetchall()
+            if reader is None:
+                rows = con.execute("SELECT * FROM prototype_sets WHERE index_name = ? ORDER BY name, owner != ?",
+                                   (index_name, SHARED)).fetchall()
+            else:
+                rows = con.execute("SELECT * FROM prototype_sets WHERE index_name = ? AND owner IN (?, ?) "
+                                   "ORDER BY name, owner = ?", (index_name, reader, SHARED, SHARED)).fetchall()
         return [_set(r) for r in rows]
 
-    def delete_set(self, index_name: str, name: str) -> bool:
+    def delete_set(self, index_name: str, owner: str, name: str) -> bool:
         with self._tx() as con:
-            return con.execute("DELETE FROM prototype_sets WHERE index_name = ? AND name = ?",
-                               (index_name, name)).rowcount == 1
+            return con.execute("DELETE FROM prototype_sets WHERE index_name = ? AND owner = ? AND name = ?",
+                               (index_name, owner, name)).rowcount == 1
 
 
 PROTOTYPE_SETS_SCHEMA = pa.schema([("name", pa.string()), ("proto_id", pa.int32()), ("description", pa.string()),
-                                   ("updated_at", pa.float64())])
+                                   ("updated_at", pa.float64()), ("shared", pa.bool_())])
 
 
-def read_prototype_sets(path: Path, *, index_name: str) -> pa.Table:
-    """The ``prototype_sets`` SQL table of one index: one row per (set, prototype), from a state database
-    opened read-only (empty when it does not exist yet)."""
+def read_prototype_sets(path: Path, *, index_name: str, principal: str | None = None) -> pa.Table:
+    """The ``prototype_sets`` SQL table of one index as ``principal`` sees it (its own sets and the
+    shared ones; None: every set): one row per (set, prototype), from a state database opened
+    read-only (empty when it does not exist yet)."""
     if not Path(path).is_file():
         return PROTOTYPE_SETS_SCHEMA.empty_table()
     con = sqlite3.connect(f"file:{Path(path).absolute()}?mode=ro", uri=True, timeout=30)
     try:
-        rows = con.execute("SELECT name, prototypes, description, updated_at FROM prototype_sets "
-                           "WHERE index_name = ? ORDER BY name", (index_name,)).fetchall()
+        if principal is None:
+            rows = con.execute("SELECT name, prototypes, description, updated_at, owner FROM prototype_sets "
+                               "WHERE index_name = ? ORDER BY name, owner", (index_name,)).fetchall()
+        else:
+            rows = con.execute("SELECT name, prototypes, description, updated_at, owner FROM prototype_sets "
+                               "WHERE index_name = ? AND owner IN (?, ?) ORDER BY name, owner",
+                               (index_name, principal, SHARED)).fetchall()
     finally:
         con.close()
-    flat = [(n, int(p), d, u) for n, ps, d, u in rows for p in json.loads(ps)]
+    flat = [(n, int(p), d, u, o == SHARED) for n, ps, d, u, o in rows for p in json.loads(ps)]
     return pa.table({f.name: [r[i] for r in flat] for i, f in enumerate(PROTOTYPE_SETS_SCHEMA)},
                     schema=PROTOTYPE_SETS_SCHEMA)
 
@@ -300,4 +391,4 @@ def _item(row: sqlite3.Row) -> dict[str, Any]:
 
 def _set(row: sqlite3.Row) -> dict[str, Any]:
     return {"index": row["index_name"], "name": row["name"], "prototypes": json.loads(row["prototypes"]),
-            "description": row["description"], "updated_at": row["updated_at"]}
+            "description": row["description"], "updated_at": row["updated_at"], "shared": row["owner"] == SHARED}

@@ -11,6 +11,7 @@ import fcntl
 import logging
 import os
 import threading
+import time
 from typing import Any
 
 from prism_tda.engine import Attribution, QueryOptions, QuerySpec
@@ -33,8 +34,14 @@ def outcome(res: Attribution, flag: set[int]) -> dict[str, Any]:
 
 
 class AuditWorker:
-    def __init__(self, state: StateDB, registry: Registry, metrics: Metrics, poll_s: float) -> None:
+    """``max_attempts``: starts of one item before it is failed; ``retention_s``: how long finished
+    audits are kept (0: for ever), purged at most once a minute."""
+
+    def __init__(self, state: StateDB, registry: Registry, metrics: Metrics, poll_s: float, *,
+                 max_attempts: int = 3, retention_s: float = 0.0) -> None:
         self.state, self.registry, self.metrics, self.poll_s = state, registry, metrics, poll_s
+        self.max_attempts, self.retention_s = max_attempts, retention_s
+        self._purged_at = 0.0
         self.wake = threading.Event()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="audit-worker", daemon=True)
@@ -78,10 +85,21 @@ class AuditWorker:
             log.info("this process runs the audit worker", extra={"pid": os.getpid()})
         return True
 
+    def purge(self) -> int:
+        """Delete finished audits past the retention time (at most once a minute); how many."""
+        now = time.monotonic()
+        if not self.retention_s or now - self._purged_at < 60:
+            return 0
+        self._purged_at = now
+        n = self.state.purge_finished(self.retention_s)
+        if n:
+            log.info("finished audits purged", extra={"audits": n, "retention_s": self.retention_s})
+        return n
+
     def _run(self) -> None:
         while not self._stop.is_set():
             try:
-                busy = self._try_lock() and self.step()
+                busy = self._try_lock() and (self.purge() >= 0) and self.step()
             except Exception:  # keep the worker alive; the item stays pending and is retried
                 log.exception("audit worker error")
                 busy = False
@@ -93,7 +111,7 @@ class AuditWorker:
         """Process one pending item; False when there is none (or the worker is stopping)."""
         if self._stop.is_set():
             return False
-        item = self.state.next_item(list(self.registry.indexes))
+        item = self.state.next_item(list(self.registry.indexes), self.max_attempts)
         if item is None:
             return False
         p = item["params"]
@@ -111,6 +129,12 @@ class AuditWorker:
                 self._stop.wait(self.poll_s)
                 return True
             error = str(e)
+        except Exception as e:  # not the item's fault as far as we know: it stays pending, up to max_attempts
+            log.exception("audit item failed unexpectedly", extra={"job_id": item["job_id"], "item_no": item["item_no"],
+                                                                   "attempt": item["attempts"]})
+            if item["attempts"] < self.max_attempts:
+                return True
+            error = f"internal error ({type(e).__name__}) in each of {item['attempts']} attempts"
         done = self.state.finish_item(item["job_id"], item["item_no"], error=error, result=result)
         if done:
             self.metrics.audit_items.labels(status="failed" if error else "done").inc()

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from fastapi import APIRouter
+from fastapi import APIRouter, Request
 
 from .. import problems as p
 from ..deps import ServicesDep
@@ -14,12 +14,18 @@ router = APIRouter(prefix="/attribute", tags=["attribution"])
 @router.post("", response_model=AttributeResponse,
              responses=p.responses(p.UnknownIndex, p.InvalidQuery, p.PromptTooLong, p.BodyTooLarge,
                                    p.ShardUnavailable))
-async def attribute(body: AttributeRequest, services: ServicesDep) -> AttributeResponse:
+async def attribute(body: AttributeRequest, request: Request, services: ServicesDep) -> AttributeResponse:
     """Top training documents for one query (prompt + completion, a generation, or the prompt's own
-    next-token predictions), with the per-token view of the prototypes behind each target token."""
+    next-token predictions), with the per-token view of the prototypes behind each target token.
+    `mode: exact` stops when the client disconnects."""
     ix = services.registry.get(body.index)
-    services.check_limits(top_k=body.top_k, max_new_tokens=body.max_new_tokens)
-    res = await services.run(ix, ix.attribute, body.spec(), body.options())
+    options = body.options()
+    services.check_limits(top_k=body.top_k, max_new_tokens=body.max_new_tokens, options=options,
+                          context=ix.attributor.encoder.context)
+    if options.mode == "exact":
+        res = await services.run_cancellable(request, ix, ix.attribute, body.spec(), options)
+    else:
+        res = await services.run(ix, ix.attribute, body.spec(), options)
     return AttributeResponse(index=ix.name, mode=res.mode, aggregation=res.aggregation, damping=res.damping,
                              query=res.query, documents=res.documents, per_token=res.per_token,
                              timings_ms=res.timings_ms, tokens_scored=res.tokens_scored, partial=res.partial,

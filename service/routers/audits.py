@@ -9,13 +9,15 @@ from typing import Annotated, Any, Literal
 import pyarrow.parquet as pq
 from fastapi import APIRouter, Header, Path, Query, Response
 
+from prism_tda.engine import QueryOptions
 from prism_tda.errors import QueryError
 
 from .. import problems as p
 from ..deps import PrincipalDep, Services, ServicesDep
-from ..schemas import AuditItemOut, AuditItems, AuditJob, AuditRequest
+from ..schemas import AuditItemOut, AuditItems, AuditJob, AuditList, AuditRequest
 from ..security import Principal
 from ..state import request_hash
+from .prototypes import find_set
 
 router = APIRouter(prefix="/audits", tags=["audits"])
 AuditId = Annotated[str, Path(max_length=64, description="The audit's id (from POST /v1/audits).")]
@@ -48,7 +50,7 @@ async def _job(services: Services, audit_id: str, principal: Principal) -> dict[
 @router.post("", status_code=202, response_model=AuditJob,
              responses=p.responses(p.UnknownIndex, p.TooManyItems, p.InvalidQuery, p.PromptTooLong,
                                    p.InvalidPrototype, p.PrototypeSetNotFound, p.IdempotencyConflict,
-                                   p.BodyTooLarge))
+                                   p.BodyTooLarge, p.AuditQuota))
 async def create_audit(body: AuditRequest, services: ServicesDep, principal: PrincipalDep, response: Response,
                        idempotency_key: Annotated[str | None, Header(max_length=200, description=(
                            "Resubmitting with the same key returns the same audit instead of a new one."))] = None,
@@ -58,14 +60,18 @@ async def create_audit(body: AuditRequest, services: ServicesDep, principal: Pri
     ix = services.registry.get(body.index)
     services.check_limits(top_k=body.top_k, n_items=("items", len(body.items)))
     services.check_limits(n_items=("flag_prototypes", len(body.flag_prototypes or [])))
+    services.check_limits(options=QueryOptions(n_candidates=body.n_candidates))
+    if not principal.admin:
+        active = await services.io(services.state.active_jobs, principal.id)
+        limit = services.settings.max_active_audits_per_key
+        if active >= limit:
+            raise p.AuditQuota(f"this key has {active} queued or running audits (the limit is {limit}); wait for "
+                               "one to finish or cancel one", headers={"Retry-After": "30"})
     sets: dict[str, list[int]] = {}
 
     async def resolve(name: str, field: str) -> list[int]:
         if name not in sets:
-            found = await services.io(services.state.get_set, ix.name, name)
-            if found is None:
-                raise p.PrototypeSetNotFound(f"{field}: no prototype set {name!r} in index {ix.name!r}")
-            sets[name] = found["prototypes"]
+            sets[name] = (await find_set(services, ix.name, name, principal, f"{field}: "))["prototypes"]
         return sets[name]
 
     ix.check_prototypes(body.flag_prototypes or [], "flag_prototypes")
@@ -95,6 +101,22 @@ async def create_audit(body: AuditRequest, services: ServicesDep, principal: Pri
         response.headers["Idempotent-Replayed"] = "true"
     response.headers["Location"] = f"/v1/audits/{job['id']}"
     return job_view(job)
+
+
+@router.get("", response_model=AuditList, responses=p.responses(p.UnknownIndex))
+async def list_audits(services: ServicesDep, principal: PrincipalDep,
+                      status: Annotated[Literal["queued", "running", "completed", "cancelled"] | None, Query(
+                          description="Only audits in this status.")] = None,
+                      index: Annotated[str | None, Query(max_length=200, description="Only audits of this index.")] = None,
+                      offset: Annotated[int, Query(ge=0, le=2**31 - 1)] = 0,
+                      limit: Annotated[int, Query(ge=1, le=200)] = 50) -> AuditList:
+    """This key's audits, newest first (admin keys: every key's), a page at a time."""
+    if index is not None:
+        index = services.registry.get(index).name
+    total, jobs = await services.io(services.state.jobs, None if principal.admin else principal.id, status=status,
+                                    index_name=index, offset=offset, limit=limit)
+    nxt = offset + len(jobs)
+    return AuditList(total=total, audits=[job_view(j) for j in jobs], next_offset=nxt if nxt < total else None)
 
 
 @router.get("/{audit_id}", response_model=AuditJob, responses=p.responses(p.AuditNotFound))

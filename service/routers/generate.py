@@ -5,8 +5,9 @@ from __future__ import annotations
 from fastapi import APIRouter
 
 from .. import problems as p
-from ..deps import ServicesDep
+from ..deps import PrincipalDep, ServicesDep
 from ..schemas import GenerateRequest, GenerateResponse
+from .prototypes import find_set
 
 router = APIRouter(prefix="/generate", tags=["generation"])
 
@@ -14,7 +15,7 @@ router = APIRouter(prefix="/generate", tags=["generation"])
 @router.post("", response_model=GenerateResponse,
              responses=p.responses(p.UnknownIndex, p.InvalidQuery, p.PromptTooLong, p.InvalidPrototype,
                                    p.PrototypeSetNotFound, p.TooManyItems, p.BodyTooLarge))
-async def generate(body: GenerateRequest, services: ServicesDep) -> GenerateResponse:
+async def generate(body: GenerateRequest, services: ServicesDep, principal: PrincipalDep) -> GenerateResponse:
     """Continue a prompt. `suppress` (prototype ids, or a stored set's name) zeroes those prototypes'
     activations, so they contribute nothing to the logits (the active sets and residual stay as they are)."""
     ix = services.registry.get(body.index)
@@ -22,10 +23,7 @@ async def generate(body: GenerateRequest, services: ServicesDep) -> GenerateResp
     services.check_limits(max_new_tokens=n_new)
     set_name = body.suppress if isinstance(body.suppress, str) else None
     if set_name is not None:
-        found = await services.io(services.state.get_set, ix.name, set_name)
-        if found is None:
-            raise p.PrototypeSetNotFound(f"suppress: no prototype set {set_name!r} in index {ix.name!r}")
-        ids = found["prototypes"]
+        ids = (await find_set(services, ix.name, set_name, principal, "suppress: "))["prototypes"]
     else:
         ids = list(body.suppress or [])
         services.check_limits(n_items=("suppress", len(ids)))

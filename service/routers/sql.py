@@ -22,13 +22,13 @@ router = APIRouter(prefix="/sql", tags=["sql"])
 async def run_sql(body: SqlRequest, services: ServicesDep, principal: PrincipalDep) -> Response:
     """Run one SELECT over `documents`, `sequences`, `tokens`, `activations`, `prototypes`, `vocab`,
     `shards`, `audit_results` (your own audits; every audit for admin keys) and `prototype_sets` (one row per set
-    and prototype). No file, network or extension
+    and prototype: your own sets and the shared ones; every set for admin keys). No file, network or extension
     access; time, row, result-size and memory limits, enforced from outside the statement's process."""
     ix = services.registry.get(body.index)
     audit = {"index_name": ix.name, "principal": None if principal.admin else principal.id}
     t0 = time.perf_counter()
     try:
-        header, rows = await services.io(ix.sql.query, body.sql, audit)
+        header, rows = await services.sql(ix.sql.query, body.sql, audit)
     except SqlRefusal as e:
         services.metrics.sql_refused.labels(kind=e.kind).inc()
         raise p.BY_KIND[e.kind](e.detail) from None

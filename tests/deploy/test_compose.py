@@ -169,3 +169,19 @@ def test_env_example_names_only_real_settings():
     used = re.findall(r"^#?\s*(PRISM_[A-Z_]+)=", text, re.M)
     assert used and set(used) <= names, set(used) - names
     assert "PRISM_API_KEYS" in used
+
+
+def test_the_api_trusts_the_gateway_and_only_it_to_name_the_client():
+    doc = compose()
+    services = doc["services"]
+    gateway_ip = services["gateway"]["networks"]["default"]["ipv4_address"]
+    trusted = Settings(indexes={}, forwarded_allow_ips=__import__("json").loads(
+        services["api"]["environment"]["PRISM_FORWARDED_ALLOW_IPS"])).forwarded_allow_ips
+    assert trusted == [gateway_ip]
+    subnet = doc["networks"]["default"]["ipam"]["config"][0]["subnet"]
+    import ipaddress
+
+    assert ipaddress.ip_address(gateway_ip) in ipaddress.ip_network(subnet)
+    nginx = (REPO / "deploy" / "nginx.conf").read_text()
+    # the gateway replaces the header with the address it saw: a client cannot prepend its own
+    assert "proxy_set_header X-Forwarded-For $remote_addr;" in nginx and "proxy_add_x_forwarded_for" not in nginx

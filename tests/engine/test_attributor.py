@@ -283,3 +283,46 @@ def test_cosine_match_matches_each_target_token_and_averages(att):
     # and it differs from the best single piece: a document matching one target token only scores lower
     best_piece = np.max(pieces, axis=0)
     assert np.all(whole <= best_piece + 1e-6)
+
+
+def test_long_work_stops_when_asked(att):
+    """Exact mode and discovery check their ``stop`` event as they go and stop with ``Cancelled``;
+    the service sets it when the client disconnects."""
+    import threading
+    import time
+
+    from prism_tda.errors import Cancelled
+
+    stop = threading.Event()
+    stop.set()
+    with pytest.raises(Cancelled, match="exact attribution"):
+        att.attribute(COMPUTER, exact(), stop=stop)
+    with pytest.raises(Cancelled, match="discovery"):
+        att.discover(topic_docs=np.arange(50), measure="logit", stop=stop)
+    # set mid-way: the exact pass stops well before its end
+    t0 = time.perf_counter()
+    att.attribute(COMPUTER, exact())
+    full = time.perf_counter() - t0
+    stop = threading.Event()
+    threading.Timer(full / 4, stop.set).start()
+    t0 = time.perf_counter()
+    with pytest.raises(Cancelled):
+        att.attribute(COMPUTER, exact(), stop=stop)
+    assert time.perf_counter() - t0 < full * 0.75, (full, time.perf_counter() - t0)
+
+
+def test_discovery_refuses_a_scan_over_its_limit_before_reading(att):
+    with pytest.raises(QueryError, match="over the limit of 100"):
+        att.discover(topic_docs=np.arange(20), max_tokens=100)
+    n = att.reader.tokens_of_documents(np.arange(20))
+    assert n == len(att.reader.rows_of_documents(np.arange(20)))
+    ranked, *_ = att.discover(topic_docs=np.arange(20), max_tokens=n, min_support=1, min_docs=1)
+    assert ranked
+
+
+def test_the_damping_cache_is_bounded(att):
+    for i in range(30):
+        att.preconditioner(0.5 + 0.1 * i)
+    assert len(att._pre) <= 8
+    with pytest.raises(QueryError, match="damping"):
+        att.preconditioner(float("nan"))

@@ -19,6 +19,7 @@ import pytest
 import uvicorn
 
 from prism_tda.service import Settings, create_app
+from prism_tda.service.app import server_options
 
 
 def free_port() -> int:
@@ -38,8 +39,8 @@ class Live:
 def serving(settings: Settings, app=None) -> Iterator[Live]:
     """The app (default: a new one of ``settings``) under a real uvicorn server in a thread, for the
     duration of the block."""
-    config = uvicorn.Config(app if app is not None else create_app(settings), host="127.0.0.1", port=settings.port, log_config=None,
-                            access_log=False, lifespan="on")
+    config = uvicorn.Config(app if app is not None else create_app(settings), lifespan="on",
+                            **server_options(settings))
     server = uvicorn.Server(config)
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
@@ -76,6 +77,11 @@ def client(live) -> Iterator[httpx.Client]:
 
 
 PROBLEM = "urn:prism-tda:problem:"
+A, B, ADMIN = "key-a", "key-b", "key-admin"  # two tenants and an admin, for the tests where keys matter
+
+
+def auth(key: str) -> dict[str, str]:
+    return {"Authorization": f"Bearer {key}"}
 
 
 def assert_problem(r: httpx.Response, status: int, kind: str, *, mentions: str | None = None) -> dict:

@@ -12,7 +12,7 @@ from .conftest import assert_problem
 
 def test_discover_from_sql_texts_and_ids(client):
     sql = "SELECT doc_id FROM documents WHERE external_id LIKE 'art/%' ORDER BY doc_id LIMIT 200"
-    r = client.post("/v1/prototype-sets/discover", json={"topic": {"sql": sql}, "top_n": 8})
+    r = client.post("/v1/prototypes/discover", json={"topic": {"sql": sql}, "top_n": 8})
     assert r.status_code == 200, r.text
     body = r.json()
     assert body["topic"]["source"] == "documents" and body["contrast"]["source"] == "the rest of the corpus"
@@ -24,11 +24,11 @@ def test_discover_from_sql_texts_and_ids(client):
         assert p["contexts"] and all(c["doc_id"] is not None and c["text_index"] is None for c in p["contexts"])
     # the same documents by id: the same ranking
     ids = [row[0] for row in client.post("/v1/sql", json={"sql": sql}).json()["rows"]]
-    again = client.post("/v1/prototype-sets/discover", json={"topic": {"doc_ids": ids}, "top_n": 8}).json()
+    again = client.post("/v1/prototypes/discover", json={"topic": {"doc_ids": ids}, "top_n": 8}).json()
     assert [p["proto_id"] for p in again["prototypes"]] == [p["proto_id"] for p in protos]
     # pasted texts, against pasted contrast texts
     texts = [d["text"] for d in client.get("/v1/documents", params={"ids": ",".join(map(str, ids[:20]))}).json()["documents"]]
-    r = client.post("/v1/prototype-sets/discover", json={"topic": {"texts": texts}, "min_docs": 1,
+    r = client.post("/v1/prototypes/discover", json={"topic": {"texts": texts}, "min_docs": 1,
                                                          "contrast": {"texts": ["The cat sat on the mat.",
                                                                                 "Water is made of hydrogen."]}})
     assert r.status_code == 200 and r.json()["contrast"]["source"] == "texts", r.text
@@ -44,7 +44,7 @@ def test_discover_from_sql_texts_and_ids(client):
 
 
 def test_discover_refuses_what_cannot_work(client):
-    url = "/v1/prototype-sets/discover"
+    url = "/v1/prototypes/discover"
     assert_problem(client.post(url, json={"topic": {}}), 422, "validation-error", mentions="exactly one")
     assert_problem(client.post(url, json={"topic": {"texts": ["a b c"], "doc_ids": [1]}}), 422, "validation-error")
     assert_problem(client.post(url, json={"topic": {"sql": "SELECT external_id FROM documents LIMIT 3"}}), 422,

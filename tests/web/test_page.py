@@ -128,10 +128,28 @@ def test_audit_completes(page, web_live):
         row = rows.nth(n)
         assert item["id"] in row.inner_text() and "done" in row.inner_text()
         assert row.locator("ol.mini a").count() > 0
-    # the audit is listed among this browser's recent audits
+    # the audit is listed among this key's audits, as is one created over REST (not from this browser)
     audit_id = page.url.rsplit("/", 1)[-1]
+    rest = httpx.post(web_live.url + "/v1/audits", json={"items": [{"prompt": "It was", "completion": " a"}]}).json()
     page.goto(web_live.url + "/#/audits")
+    page.locator("#audit-list table").wait_for()
     assert page.get_by_role("link", name=audit_id).count() == 1
+    assert page.get_by_role("link", name=rest["id"]).count() == 1
+    links = page.locator("#audit-list tbody a").all_inner_texts()
+    assert links.index(rest["id"]) < links.index(audit_id)  # newest first
+
+
+def test_a_sql_link_fills_the_editor_but_runs_nothing(page, web_live):
+    posted = []
+    page.on("request", lambda r: posted.append(r.url) if r.method == "POST" and "/v1/sql" in r.url else None)
+    page.goto(web_live.url + "/#/sql?q=" + "SELECT%20count(*)%20AS%20n%20FROM%20audit_results")
+    page.locator("#sql-status", has_text="press Run").wait_for()
+    page.wait_for_timeout(500)
+    assert page.input_value("#sql-box") == "SELECT count(*) AS n FROM audit_results"
+    assert posted == [] and page.locator("#sql-out table").count() == 0
+    page.get_by_role("button", name="Run", exact=True).click()
+    page.locator("#sql-out tbody tr").first.wait_for()
+    assert len(posted) == 1
 
 
 def test_sql_rows_and_a_clear_error(page, web_live):
@@ -226,10 +244,19 @@ def test_steer_discover_save_and_compare(page, web_live):
     ticked = [int(b.get_attribute("value")) for b in page.locator("#steer-found tbody input:checked").all()]
     assert 1 <= len(ticked) <= 10
     # the table shows what the API discovers for the same topic
-    api = httpx.post(web_live.url + "/v1/prototype-sets/discover",
+    api = httpx.post(web_live.url + "/v1/prototypes/discover",
                      json={"topic": {"sql": "SELECT doc_id FROM documents WHERE external_id LIKE 'art/%'"}, "top_n": 20},
                      timeout=120).json()
     assert ticked == [p["proto_id"] for p in api["prototypes"]][: len(ticked)]
+    # the default name is this page's own (two users saving with the defaults do not collide)
+    default = page.input_value("#steer-name")
+    assert re.fullmatch(r"topic-[0-9a-f]{6}", default), default
+    page.reload()
+    page.get_by_role("heading", name="Steer").wait_for()
+    page.fill("#steer-sql", "SELECT doc_id FROM documents WHERE external_id LIKE 'art/%'")
+    page.get_by_role("button", name="Discover").click()
+    page.wait_for_selector("#steer-found table")
+    assert page.input_value("#steer-name") != default
     page.fill("#steer-name", "art-web")
     page.get_by_role("button", name="Save set").click()
     page.locator("#steer-saved", has_text="Saved").wait_for()

@@ -4,20 +4,32 @@ import { api, download, session } from "../api.js";
 import { clear, field, h, num, parseIds } from "../dom.js";
 import { busy, errorBox, protoLink, table } from "../ui.js";
 
-const RECENT = "prism.audits";
+const PAGE = 20;
 const EXAMPLE = [
   { id: "a", prompt: "The king of France", max_new_tokens: 8 },
   { id: "b", prompt: "A computer is", completion: " a machine that does what you tell it" },
 ].map((x) => JSON.stringify(x)).join("\n");
 
-function recent() {
-  try { return JSON.parse(localStorage.getItem(RECENT) || "[]"); } catch { return []; }
-}
-
-function remember(job) {
-  const list = [{ id: job.id, index: job.index, n: job.n_items, at: job.created_at },
-    ...recent().filter((j) => j.id !== job.id)].slice(0, 20);
-  localStorage.setItem(RECENT, JSON.stringify(list));
+/** This key's audits from the server (every key's for an admin key), newest first, a page at a time. */
+async function listAudits(section, offset = 0) {
+  const list = h("div", { id: "audit-list" }, h("p", { class: "muted" }, "Loading…"));
+  clear(section, h("h2", {}, "Your audits"), list);
+  try {
+    const query = { limit: PAGE, offset, ...(session.index ? { index: session.index } : {}) };
+    const res = await api("GET", "/v1/audits", { query });
+    const rows = res.audits.map((j) => [
+      h("a", { href: `#/audits/${encodeURIComponent(j.id)}` }, j.id), j.index,
+      h("span", { class: `badge ${j.status}` }, j.status),
+      `${j.n_done + j.n_failed} / ${j.n_items}`, new Date(j.created_at * 1000).toLocaleString()]);
+    clear(list, res.total ? table(["audit", "index", "status", "items", "created"], rows)
+      : h("p", { class: "muted" }, "No audits yet."),
+    h("p", { class: "actions" },
+      offset > 0 ? h("button", { type: "button", onclick: () => listAudits(section, Math.max(0, offset - PAGE)) }, "Newer") : null,
+      res.next_offset != null ? h("button", { type: "button", onclick: () => listAudits(section, res.next_offset) }, "Older") : null,
+      res.total ? h("span", { class: "muted" }, ` ${offset + 1}–${offset + res.audits.length} of ${res.total}`) : null));
+  } catch (err) {
+    clear(list, errorBox(err));
+  }
 }
 
 /** JSONL text -> items, or an Error naming the first bad line. */
@@ -68,7 +80,6 @@ export async function render(root, { args }) {
     await busy(submit, status, "Submitting…", async () => {
       try {
         const job = await api("POST", "/v1/audits", { body });
-        remember(job);
         location.hash = `#/audits/${encodeURIComponent(job.id)}`;
       } catch (err) {
         clear(out, errorBox(err));
@@ -76,18 +87,15 @@ export async function render(root, { args }) {
     });
   });
   const openId = h("input", { id: "audit-open", type: "text", spellcheck: "false", placeholder: "audit id" });
-  const mine = recent().filter((j) => !session.index || j.index === session.index);
+  const listed = h("section", { class: "card", id: "audit-mine" });
   root.append(h("h1", {}, "Audits"),
     h("p", { class: "lede" }, "Attribute many outputs at once in the background; the results are also in SQL as audit_results."),
-    form, out,
-    h("section", { class: "card" }, h("h2", {}, "Recent audits"),
-      mine.length ? h("ul", { class: "plain" }, mine.map((j) => h("li", {},
-        h("a", { href: `#/audits/${encodeURIComponent(j.id)}` }, j.id),
-        h("span", { class: "muted" }, ` · ${j.n} items · ${new Date(j.at * 1000).toLocaleString()}`))))
-        : h("p", { class: "muted" }, "None from this browser yet."),
+    form, out, listed,
+    h("section", { class: "card" },
       h("form", { class: "row inline", "aria-label": "Open an audit",
         onsubmit: (e) => { e.preventDefault(); if (openId.value.trim()) location.hash = `#/audits/${encodeURIComponent(openId.value.trim())}`; } },
       field("Open by id", openId), h("button", { type: "submit" }, "Open"))));
+  listAudits(listed);
 }
 
 function renderJob(root, id) {

@@ -64,5 +64,6 @@ export async function render(root, { params }) {
         h("ul", { class: "plain" }, EXAMPLES.map(([title, q]) => h("li", {},
           h("button", { type: "button", class: "link", onclick: () => { box.value = q; form.requestSubmit(); } }, title)))))),
     out);
-  if (params.get("q")) form.requestSubmit();
+  // a link may carry a query (#/sql?q=...): it is shown, never run, until the user presses Run
+  if (params.get("q")) status.textContent = "Query loaded from the link: read it, then press Run.";
 }

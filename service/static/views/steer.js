@@ -8,6 +8,12 @@ import { showCompare } from "./generate.js";
 
 const PICKED = 10; // prototypes ticked by default
 
+/** A set name no other save is likely to take: "topic-" and 6 random hex digits. */
+function defaultSetName() {
+  const bytes = crypto.getRandomValues(new Uint8Array(3));
+  return "topic-" + Array.from(bytes, (b) => b.toString(16).padStart(2, "0")).join("");
+}
+
 export async function render(root, { params }) {
   const examples = h("textarea", { id: "steer-texts", rows: 6, placeholder: "One example per paragraph (blank line between examples)." });
   const filter = h("input", { id: "steer-sql", type: "text", spellcheck: "false", value: params.get("sql") || "",
@@ -35,7 +41,7 @@ export async function render(root, { params }) {
     const topic = texts.length ? { texts } : { sql };
     await busy(submit, status, "Discovering…", async () => {
       try {
-        const res = await api("POST", "/v1/prototype-sets/discover",
+        const res = await api("POST", "/v1/prototypes/discover",
           { body: { topic, top_n: Number(topN.value), min_docs: texts.length === 1 ? 1 : 2 } });
         showFound(found, res);
       } catch (err) {
@@ -60,7 +66,7 @@ function showFound(out, res) {
     checked: i < PICKED, "aria-label": `use prototype ${p.proto_id}` }));
   const rows = res.prototypes.map((p, i) => [boxes[i], protoLink(p.proto_id), p.label || "", `${num(p.ratio, 2)}×`,
     pct(p.topic_share, 1), String(p.topic_support), String(p.topic_docs), context(p.contexts[0])]);
-  const name = h("input", { id: "steer-name", type: "text", required: true, pattern: "[A-Za-z0-9_.\\-]{1,64}", value: "topic" });
+  const name = h("input", { id: "steer-name", type: "text", required: true, pattern: "[A-Za-z0-9_.\\-]{1,64}", value: defaultSetName() });
   const save = h("button", { type: "submit", class: "primary" }, "Save set");
   const saved = h("p", { class: "status", role: "status", id: "steer-saved" });
   const prompt = h("textarea", { id: "steer-prompt", rows: 2, value: "The" });
