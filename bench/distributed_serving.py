@@ -18,7 +18,7 @@ N nodes each holding 1/N of the shards and as fast as this machine, the shard si
 ``N / S`` queries per second; each added node adds ``1 / S``, until the API's ``1 / C`` per API
 core binds (API replicas scale apart).
 
-    python bench/distributed_serving.py --index runs/scale/prefix_0004
+    python -m bench.distributed_serving --index runs/scale/prefix_0004
 
 Writes ``bench/results/distributed.json``.
 """
@@ -27,18 +27,15 @@ from __future__ import annotations
 
 import argparse
 import re
-import sys
 import time
 from pathlib import Path
 
 import httpx
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).parent))
-from _common import finish, served  # noqa: E402
-from scale import held_out_queries  # noqa: E402
-
-from prism_tda.engine import layout  # noqa: E402
+from bench._common import finish, served
+from bench.scale import held_out_queries
+from prism_tda.engine import layout
 
 METRIC = re.compile(r'^(prism_shard_\w+?)(_sum|_count|_total)?\{([^}]*)\} ([0-9.e+-]+)$')
 

@@ -7,6 +7,6 @@ out="${OUT:-bench/results}"
 python3 -m pip install -q --no-deps -e . 2>/dev/null || true
 export PYTHONUNBUFFERED=1
 python3 -c "import torch; assert torch.cuda.is_available(), 'no CUDA device'; print(torch.cuda.get_device_name())"
-python3 bench/train_throughput.py --preset gpt2-small --steps "${STEPS:-300}" --warmup 20 \
+python3 -m bench.train_throughput --preset gpt2-small --steps "${STEPS:-300}" --warmup 20 \
   --set model.vocab_size=16384 --set model.block_size=512 --set train.batch_size=16 --set train.dtype=bf16 \
   --set train.eval_tokens=131072 --work /tmp/bench_gpu --out "$out/train_gpt2_small_gpu.json"

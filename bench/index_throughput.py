@@ -6,7 +6,7 @@ the physical limit. The whole job (planning, curvature basis, forward stage, red
 FAISS, tables) is then timed at 1x, 4x and 16x the corpus size.
 
     prism demo   # or any PRISM checkpoint
-    python bench/index_throughput.py --checkpoint runs/demo --docs 1000
+    python -m bench.index_throughput --checkpoint runs/demo --docs 1000
 
 Writes ``bench/results/index.json``.
 """
@@ -21,8 +21,8 @@ import time
 from pathlib import Path
 
 import torch
-from _common import finish, index_sequences
 
+from bench._common import finish, index_sequences
 from prism_tda import demo_corpus_path
 from prism_tda.indexer import IndexConfig
 from prism_tda.indexer.run import build_index

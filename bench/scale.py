@@ -21,10 +21,10 @@ held-out documents of the corpus, one query at a time) p50/p99, and the server's
 of the fast path with the exact ranking (every token recomputed) is measured in-process at one
 real size.
 
-    python bench/scale_corpus.py --out runs/scale/corpus
+    python -m bench.scale_corpus --out runs/scale/corpus
     prism index --checkpoint runs/demo/latest --out runs/scale/real --set index.shard_bytes=3145728 \\
         --corpus runs/scale/corpus/part-000.jsonl runs/scale/corpus/part-001.jsonl runs/scale/corpus/part-002.jsonl
-    python bench/scale.py --real runs/scale/real --work runs/scale
+    python -m bench.scale --real runs/scale/real --work runs/scale
 
 Writes ``bench/results/scale.json`` and ``docs/img/scale.png`` (with matplotlib installed).
 """
@@ -44,12 +44,10 @@ from pathlib import Path
 import httpx
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import finish, served  # noqa: E402
-
-from prism_tda.engine import layout  # noqa: E402
-from prism_tda.model.tokenizer import load_tokenizer  # noqa: E402
-from prism_tda.procmem import status_bytes, tree_bytes  # noqa: E402
+from bench._common import finish, served
+from prism_tda.engine import layout
+from prism_tda.model.tokenizer import load_tokenizer
+from prism_tda.procmem import status_bytes, tree_bytes
 
 TOP_FILES = ("manifest.json", "calibration.safetensors", "faiss_template.index", "prototypes.parquet",
              "vocab.parquet", "stats.safetensors")
@@ -469,7 +467,7 @@ def main(argv: list[str] | None = None) -> dict:
     if args.overlap_only:
         res = json.loads(Path(args.out).read_text())
         ov = measure_overlap()
-        ov["command"] = "python bench/scale.py " + " ".join(sys.argv[1:] if argv is None else argv)
+        ov["command"] = "python -m bench.scale " + " ".join(sys.argv[1:] if argv is None else argv)
         ov["date"] = dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")
         res["overlap"], res["overlap_at_10_fast_vs_exact"] = ov, ov["overlap_at_10"]
         Path(args.out).write_text(json.dumps(res, indent=2))

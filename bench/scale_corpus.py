@@ -3,7 +3,7 @@ the bundled fortunes and planted facts, for ``bench/scale.py``.
 
     apt-get install python3.11-doc perl-doc postgresql-doc-15 git-doc manpages manpages-dev \\
         glibc-doc debian-reference-en gnu-standards bash-doc
-    python bench/scale_corpus.py --out runs/scale/corpus
+    python -m bench.scale_corpus --out runs/scale/corpus
 
 Sources, in this order (each file cut into documents of about 2,000 characters at paragraph breaks):
 the Python 3.11 documentation's reStructuredText sources, Perl's POD, PostgreSQL's and Git's HTML
@@ -21,14 +21,11 @@ import html
 import json
 import random
 import re
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent / "attribution"))
-from planted import make_facts  # noqa: E402
-
-from prism_tda import demo_corpus_path  # noqa: E402
+from bench.attribution.planted import make_facts
+from prism_tda import demo_corpus_path
 
 SOURCES = [
     ("python-doc", "/usr/share/doc/python3.11/html/_sources", "*.txt"),

@@ -4,25 +4,22 @@
 For each setting: overlap@10 with the exact ranking (one exhaustive pass for every query) and
 median latency in-process (one query at a time), on the first ``--shards`` shards of the real index.
 
-    python bench/scale_tune.py --real runs/scale/real --shards 4
+    python -m bench.scale_tune --real runs/scale/real --shards 4
 """
 
 from __future__ import annotations
 
 import argparse
-import sys
 import time
 from pathlib import Path
 
 import numpy as np
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import finish  # noqa: E402
-from scale import held_out_queries, subset_index  # noqa: E402
-
-from prism_tda.engine import Attributor, FirstStages, QueryOptions, QuerySpec, layout  # noqa: E402
-from prism_tda.engine.exact import exact_document_scores  # noqa: E402
+from bench._common import finish
+from bench.scale import held_out_queries, subset_index
+from prism_tda.engine import Attributor, FirstStages, QueryOptions, QuerySpec, layout
+from prism_tda.engine.exact import exact_document_scores
 
 # (name, first stages, query options): the defaults, then one change at a time
 VARIANTS = [

@@ -5,7 +5,7 @@ each concurrency sends a fixed number of requests from that many client threads 
 connection each) and records p50/p99 latency, requests per second and errors.
 
     prism demo --no-serve   # builds runs/demo/index
-    python bench/service_load.py --index runs/demo/index
+    python -m bench.service_load --index runs/demo/index
 
 /v1/attribute: a 64-token prompt (cut from different training documents) plus a completion,
 fast mode, top 10. /v1/sql: the documents that most activate a prototype (a scan of the
@@ -25,8 +25,8 @@ from pathlib import Path
 
 import httpx
 import numpy as np
-from _common import finish, served
 
+from bench._common import finish, served
 from prism_tda import demo_corpus_path
 from prism_tda.model.tokenizer import load_tokenizer
 

@@ -28,7 +28,7 @@ from the prototypes not discovered in the top 50), the topic rate, its relative 
 perplexity ratio; the headline is the largest set within 2% of the bank. Intervals: 95% bootstrap
 over prompts.
 
-    python bench/steering.py --index runs/demo_idle/index
+    python -m bench.steering --index runs/demo_idle/index
 
 Writes ``bench/results/steering.json`` and ``docs/img/steering.png`` (with matplotlib installed).
 """
@@ -38,7 +38,6 @@ from __future__ import annotations
 import argparse
 import math
 import re
-import sys
 import time
 from collections import Counter
 from pathlib import Path
@@ -47,12 +46,10 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, str(Path(__file__).parent))
-from _common import finish, index_documents  # noqa: E402
-
-from prism_tda.engine import Attributor  # noqa: E402
-from prism_tda.engine.steering import rank_prototypes  # noqa: E402
-from prism_tda.model.tokenizer import eos_id  # noqa: E402
+from bench._common import finish, index_documents
+from prism_tda.engine import Attributor
+from prism_tda.engine.steering import rank_prototypes
+from prism_tda.model.tokenizer import eos_id
 
 PROMPTS = ["The", "I", "You", "A man", "My", "When", "There is", "It is", "Never", "Life is", "If you", "Why",
            "What", "One day", "We", "People", "All", "Nothing", "Some", "In the", "How to", "This is", "Every",

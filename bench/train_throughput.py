@@ -4,8 +4,8 @@ Both models share the backbone config, the initial backbone weights, the tokeniz
 and the batch of every step. Their steps are interleaved (alternating which goes first), so
 drifts of the machine hit both alike; throughput is tokens / summed step time after warm-up.
 
-    python bench/train_throughput.py --preset small --steps 600
-    python bench/train_throughput.py --preset gpt2-small --steps 300 --set train.batch_size=16   # on a GPU
+    python -m bench.train_throughput --preset small --steps 600
+    python -m bench.train_throughput --preset gpt2-small --steps 300 --set train.batch_size=16   # on a GPU
 
 Writes ``bench/results/train.json`` (and the two checkpoints under ``--work``).
 """
@@ -18,9 +18,9 @@ import time
 from pathlib import Path
 
 import torch
-from _common import finish
 from tqdm.auto import tqdm
 
+from bench._common import finish
 from prism_tda import demo_corpus_path
 from prism_tda.cli import build_configs
 from prism_tda.model.data import split_documents

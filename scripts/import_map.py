@@ -3,8 +3,8 @@
     python scripts/import_map.py            # every cross-part import
     python scripts/import_map.py --check    # exit 1 when an import breaks the layering of docs/architecture.md
 
-The parts are the installed packages' folders: ``prism_tda`` (the shared ground and the CLI),
-``model``, ``engine``, ``indexer``, ``service``. Imports inside a part are not listed.
+The parts are the folders of the package: ``prism_tda/`` itself (the shared ground and the CLI) and
+its sub-packages ``model``, ``engine``, ``indexer``, ``service``. Imports inside a part are not listed.
 """
 
 from __future__ import annotations
@@ -16,7 +16,8 @@ from collections import defaultdict
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-PARTS = {"model": "model", "engine": "engine", "indexer": "indexer", "service": "service", "prism_tda": "prism_tda"}
+PACKAGE = ROOT / "prism_tda"
+SUBPARTS = ("model", "engine", "indexer", "service")
 # who may import whom (docs/architecture.md); the ground is prism_tda minus the CLI
 ALLOWED = {
     "ground": {"ground"},
@@ -29,10 +30,10 @@ ALLOWED = {
 
 
 def part_of_file(path: Path) -> str:
-    top = path.relative_to(ROOT).parts[0]
-    if top == "prism_tda":
-        return "cli" if path.name == "cli.py" else "ground"
-    return top
+    rel = path.relative_to(PACKAGE).parts
+    if len(rel) > 1 and rel[0] in SUBPARTS:
+        return rel[0]
+    return "cli" if rel[0] in ("cli.py", "cli") else "ground"
 
 
 def part_of_module(module: str) -> str | None:
@@ -41,7 +42,7 @@ def part_of_module(module: str) -> str | None:
         return None
     if len(parts) == 1:
         return "ground"
-    if parts[1] in ("model", "engine", "indexer", "service"):
+    if parts[1] in SUBPARTS:
         return parts[1]
     return "cli" if parts[1] == "cli" else "ground"
 
@@ -49,10 +50,7 @@ def part_of_module(module: str) -> str | None:
 def imports(path: Path) -> list[str]:
     """Absolute module names imported by a file (relative imports resolved against its package)."""
     rel = path.relative_to(ROOT).with_suffix("")
-    top = rel.parts[0]
-    pkg = ["prism_tda"] + ([top] if top != "prism_tda" else []) + list(rel.parts[1:-1])
-    if rel.name == "__init__":
-        pkg = pkg
+    pkg = list(rel.parts[:-1])  # the package the file is in: prism_tda, prism_tda.engine, ...
     out = []
     for node in ast.walk(ast.parse(path.read_text())):
         if isinstance(node, ast.Import):
@@ -74,18 +72,15 @@ def main() -> int:
     args = ap.parse_args()
     edges: dict[tuple[str, str], set[str]] = defaultdict(set)
     bad = []
-    for top in PARTS.values():
-        if not (ROOT / top).is_dir():
-            continue
-        for f in sorted((ROOT / top).rglob("*.py")):
-            src = part_of_file(f)
-            for mod in imports(f):
-                dst = part_of_module(mod)
-                if dst is None or dst == src:
-                    continue
-                edges[(src, dst)].add(mod.removeprefix("prism_tda."))
-                if dst not in ALLOWED[src]:
-                    bad.append(f"{f.relative_to(ROOT)} imports {mod} ({src} -> {dst})")
+    for f in sorted(PACKAGE.rglob("*.py")):
+        src = part_of_file(f)
+        for mod in imports(f):
+            dst = part_of_module(mod)
+            if dst is None or dst == src:
+                continue
+            edges[(src, dst)].add(mod.removeprefix("prism_tda."))
+            if dst not in ALLOWED[src]:
+                bad.append(f"{f.relative_to(ROOT)} imports {mod} ({src} -> {dst})")
     for (src, dst), mods in sorted(edges.items()):
         print(f"{src:8s} -> {dst:8s} {', '.join(sorted(mods))}")
     if args.check and bad:

@@ -231,7 +231,7 @@ def score_index(method: str, index_dir: Path, queries: list[tuple[list[int], lis
 
     checkpoint = store.read_manifest(index_dir).checkpoint
     model, _, _ = ckpt.load_checkpoint(checkpoint)
-    from _common import index_sequences
+    from bench._common import index_sequences
 
     seqs = index_sequences(index_dir)
     block = model.cfg.block_size

@@ -39,10 +39,7 @@ import numpy as np
 import torch
 import torch.nn as nn
 
-try:  # as imported by the other bench/attribution scripts (that folder on sys.path)
-    from baselines import IGNORE, TokenDataset, summed_ce
-except ImportError:  # pragma: no cover - imported as a package module
-    from .baselines import IGNORE, TokenDataset, summed_ce
+from bench.attribution.baselines import IGNORE, TokenDataset, summed_ce
 
 
 # --------------------------------------------------------------------------- adapter
@@ -276,12 +273,7 @@ def _smoke() -> None:
     """20 training sequences of the bench_lds index, 2 of its queries; rows 3 and 11 are queries 0
     and 1 verbatim (same inputs and target positions), row 15 is query 1's full text with every
     token a target."""
-    import sys
-
-    here = Path(__file__).resolve().parent
-    sys.path[:0] = [str(here.parent), str(here)]
-    from _common import index_sequences
-
+    from bench._common import index_sequences
     from prism_tda.model import checkpoint as ckpt
 
     torch.set_num_threads(1)

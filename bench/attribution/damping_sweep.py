@@ -3,7 +3,7 @@
 Reuses a finished ``run_eval.py`` work directory (its index, queries and the losses of its subset
 retrainings) and rescales the index's damping at query time (``I(t, t)`` is recomputed for each).
 
-    python bench/attribution/damping_sweep.py --work runs/bench_lds
+    python -m bench.attribution.damping_sweep --work runs/bench_lds
 
 Writes ``bench/results/attribution_damping.json``.
 """
@@ -12,18 +12,15 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 from pathlib import Path
 
 import numpy as np
 
-HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE.parent))
-sys.path.insert(0, str(HERE))
-from _common import finish, index_documents  # noqa: E402
-from run_eval import rank_of, spearman, summarise  # noqa: E402
+from bench._common import finish, index_documents
+from bench.attribution.run_eval import rank_of, spearman, summarise
+from prism_tda.engine import Attributor, QuerySpec
 
-from prism_tda.engine import Attributor, QuerySpec  # noqa: E402
+HERE = Path(__file__).resolve().parent
 
 
 def main(argv: list[str] | None = None) -> dict:

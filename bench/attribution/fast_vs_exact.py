@@ -5,7 +5,7 @@ Queries are continuations of training documents (a prompt of ``--prompt-tokens``
 token-level first stage (``proto_candidates`` / ``row_budget``; 0 = FAISS candidates only) it
 reports the top-10 overlap with the exact path and the time per query.
 
-    python bench/attribution/fast_vs_exact.py --index runs/demo/index
+    python -m bench.attribution.fast_vs_exact --index runs/demo/index
 
 Writes ``bench/results/fast_vs_exact.json``.
 """
@@ -13,15 +13,11 @@ Writes ``bench/results/fast_vs_exact.json``.
 from __future__ import annotations
 
 import argparse
-import sys
-from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from _common import finish, index_documents  # noqa: E402
-
-from prism_tda.engine import Attributor, FirstStages, QueryOptions, QuerySpec  # noqa: E402
+from bench._common import finish, index_documents
+from prism_tda.engine import Attributor, FirstStages, QueryOptions, QuerySpec
 
 SETTINGS = [(0, 0), (8, 1 << 15), (8, 1 << 16), (16, 1 << 16), (8, 1 << 18)]
 

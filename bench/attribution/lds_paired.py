@@ -5,7 +5,7 @@ document the fast path scored keeps its score (the candidates' approximate score
 "served": only the documents a query returns (its top ``--returned``, exactly re-ranked) score,
 the rest 0; the exact path restricted to its own top ``--returned`` is the like-for-like reference.
 
-    python bench/attribution/lds_paired.py [--previous DIR_WITH_OLD_scores_prism_*.npy]
+    python -m bench.attribution.lds_paired [--previous DIR_WITH_OLD_scores_prism_*.npy]
 """
 
 import argparse
@@ -16,11 +16,9 @@ from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from lds_report import top_only  # noqa: E402
-from run_eval import spearman  # noqa: E402
-
-from prism_tda.engine import Attributor, QueryOptions, QuerySpec  # noqa: E402
+from bench.attribution.lds_report import top_only
+from bench.attribution.run_eval import spearman
+from prism_tda.engine import Attributor, QueryOptions, QuerySpec
 
 
 def interval(x: np.ndarray, idx: np.ndarray) -> list[float]:
@@ -87,7 +85,7 @@ def main() -> None:
         out[f"fast_served_top{k}_minus_previous_fast_top{k}"] = interval(v[f"fast_served_top{k}"] - old_top, idx)
     out["n_queries"] = len(sel)
     out["subsets"] = args.subsets
-    out["command"] = "python bench/attribution/lds_paired.py " + " ".join(sys.argv[1:])
+    out["command"] = "python -m bench.attribution.lds_paired " + " ".join(sys.argv[1:])
     print(json.dumps(out))
     Path(args.out).write_text(json.dumps(out, indent=2))
 

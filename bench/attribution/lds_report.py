@@ -16,23 +16,22 @@ content plus
 - the fast path as served with the chosen settings (each query answered alone), and the speed-ups
   against EK-FAC on one protocol from ``scaling.py``'s results when present.
 
-    python bench/attribution/lds_report.py
+    python -m bench.attribution.lds_report
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import sys
 import time
 from pathlib import Path
 
 import numpy as np
 from scipy.stats import rankdata
 
+from bench._common import finish
+
 HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE.parent))
-from _common import finish  # noqa: E402
 
 AGGREGATIONS = ("cosine_max", "cosine_sum", "raw_max", "raw_sum", "cosine_match")
 BASELINES = ("ekfac", "trak", "bergson", "bm25")

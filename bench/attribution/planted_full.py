@@ -6,7 +6,7 @@ paraphrased prompt. Reports recall@1/@10 and MRR of the planted documents per me
 and memorised / not memorised facts; top-10 overlap of the fast path with the exact path and the
 candidate stage's recall of the exact top-10; time per query.
 
-    python bench/attribution/planted_full.py --facts 30 --copies 6 --steps 1500
+    python -m bench.attribution.planted_full --facts 30 --copies 6 --steps 1500
 
 The whole demo corpus is too large for the baselines that need gradients of every training example
 on 2 cores; ``run_eval.py`` compares all methods (and LDS) on a smaller corpus.
@@ -18,23 +18,20 @@ from __future__ import annotations
 import argparse
 import json
 import resource
-import sys
 import time
 from pathlib import Path
 
 import numpy as np
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from _common import finish, index_documents  # noqa: E402
-from planted import make_facts, write_corpus  # noqa: E402
-
-from prism_tda.cli import build_configs  # noqa: E402
-from prism_tda.corpus import is_validation  # noqa: E402
-from prism_tda.engine import Attributor, QueryOptions, QuerySpec  # noqa: E402
-from prism_tda.indexer.run import build_index  # noqa: E402
-from prism_tda.model import checkpoint as ckpt  # noqa: E402
-from prism_tda.model.train import Trainer  # noqa: E402
+from bench._common import finish, index_documents
+from bench.attribution.planted import make_facts, write_corpus
+from prism_tda.cli import build_configs
+from prism_tda.corpus import is_validation
+from prism_tda.engine import Attributor, QueryOptions, QuerySpec
+from prism_tda.indexer.run import build_index
+from prism_tda.model import checkpoint as ckpt
+from prism_tda.model.train import Trainer
 
 
 def rank_of(ranked: list[str], wanted: set[str]) -> int | None:

@@ -15,7 +15,7 @@
 
     pip install --no-deps kronfluence==1.0.1 traker==0.3.2
     pip install accelerate einops einconv opt-einsum rank-bm25
-    python bench/attribution/run_eval.py
+    python -m bench.attribution.run_eval
 
 Writes ``bench/results/attribution.json``. Everything under ``--work`` is reused on a rerun
 (trained models, subset losses, method scores), so an interrupted run resumes.
@@ -28,22 +28,19 @@ import gzip
 import json
 import multiprocessing as mp
 import random
-import sys
 import time
 from pathlib import Path
 
 import numpy as np
 import torch
 
-HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE.parent))
-sys.path.insert(0, str(HERE))
-from _common import finish, index_documents, peak_rss_mb  # noqa: E402
-from planted import make_facts  # noqa: E402
+from bench._common import finish, index_documents, peak_rss_mb
+from bench.attribution.planted import make_facts
+from prism_tda import demo_corpus_path
+from prism_tda.cli import build_configs
+from prism_tda.corpus import is_validation
 
-from prism_tda import demo_corpus_path  # noqa: E402
-from prism_tda.cli import build_configs  # noqa: E402
-from prism_tda.corpus import is_validation  # noqa: E402
+HERE = Path(__file__).resolve().parent
 
 # the evaluation model: small enough to retrain many times on 2 cores
 MODEL = ["model.vocab_size=2048", "model.block_size=64", "model.n_layer=2", "model.n_head=4",
@@ -113,8 +110,7 @@ def train(corpus: Path, out: Path, steps: int, tokenizer: Path | None = None) ->
 # --------------------------------------------------------------------------- methods (each in a child process)
 def _run_method(method: str, work: Path, index_dir: Path, queries: list[dict], candidates: int) -> None:
     torch.set_num_threads(2)
-    import baselines
-
+    from bench.attribution import baselines
     from prism_tda.engine import Attributor, QueryOptions, QuerySpec
 
     docs = index_documents(index_dir, ["doc_id", "text"])
@@ -311,7 +307,7 @@ def main(argv: list[str] | None = None) -> dict:
     scores = {m: np.load(work / f"scores_{m}.npy") for m in METHODS if (work / f"scores_{m}.npy").exists()}
 
     # ---- LDS: retrain on random halves, measure query losses
-    import baselines
+    from bench.attribution import baselines
 
     rng = np.random.default_rng(args.seed)
     doc_ids_sorted = np.array(sorted(ext_to_doc.values()))

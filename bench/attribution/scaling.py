@@ -13,7 +13,7 @@ Every method runs in its own process and reports set-up seconds, seconds per que
 ``rss_growth_mb`` is the process's peak resident memory (VmHWM) minus its resident memory when the
 method starts (the interpreter with torch imported), the same for every method.
 
-    python bench/attribution/scaling.py --model runs/bench_lds/model
+    python -m bench.attribution.scaling --model runs/bench_lds/model
 
 Writes ``bench/results/attribution_scaling.json`` and ``docs/img/attribution_scaling.png``.
 """
@@ -25,19 +25,16 @@ import gzip
 import json
 import multiprocessing as mp
 import random
-import sys
 import time
 from pathlib import Path
 
 import numpy as np
 import torch
 
-HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE.parent))
-sys.path.insert(0, str(HERE))
-from _common import finish, index_documents, peak_rss_mb  # noqa: E402
+from bench._common import finish, index_documents, peak_rss_mb
+from prism_tda import demo_corpus_path
 
-from prism_tda import demo_corpus_path  # noqa: E402
+HERE = Path(__file__).resolve().parent
 
 QUERIES = [("A computer", " is a machine"), ("Love is", " a many splendored thing"), ("The only way to", " be"),
            ("Never trust a", " man who"), ("It is better to", " have loved and lost"),
@@ -55,8 +52,7 @@ def _time_method(method: str, index_dir: str, out_json: str, queries: list[tuple
                  single_queries: int) -> None:
     torch.set_num_threads(2)
     base_mb = _rss_mb()
-    import baselines
-
+    from bench.attribution import baselines
     from prism_tda.engine import Attributor, QueryOptions, QuerySpec
     from prism_tda.engine import layout as store
     from prism_tda.model import checkpoint as ckpt

@@ -129,7 +129,8 @@ def test_images_install_the_project_as_the_readme_does():
     assert f"torch=={TORCH_PIN}" in ci
     pyproject = tomllib.loads((REPO / "pyproject.toml").read_text())
     extras = pyproject["project"]["optional-dependencies"]
-    package_dirs = set(pyproject["tool"]["setuptools"]["package-dir"].values())
+    packages = pyproject["tool"]["setuptools"]["packages"]["find"]["include"]
+    package_dirs = {p.rstrip("*") for p in packages}
     for path, faiss in zip(DOCKERFILES, ("cpu", "gpu")):
         text = dockerfile(path)
         assert re.search(r"^ARG TORCH_VERSION=(\S+)$", text, re.M).group(1) == TORCH_PIN, path

@@ -9,7 +9,7 @@ import yaml
 from .app import create_app
 from .settings import Settings
 
-DEFAULT_PATH = Path(__file__).resolve().parents[1] / "openapi.yaml"
+DEFAULT_PATH = Path(__file__).resolve().parents[2] / "openapi.yaml"  # the repository's root
 
 
 class _Dumper(yaml.SafeDumper):

@@ -16,7 +16,7 @@ from pydantic_core import PydanticUndefined
 
 from .settings import Settings
 
-DEFAULT_PATH = Path(__file__).resolve().parents[1] / "docs" / "settings.md"
+DEFAULT_PATH = Path(__file__).resolve().parents[2] / "docs" / "settings.md"  # the repository's docs/
 
 HEADER = """# Settings reference
 
