@@ -35,7 +35,8 @@ from .exact import exhaustive
 from .layout import IndexManifest
 from .present import scored_document
 from .query import Query, QueryEncoder
-from .reader import IndexReader, read_complete_manifest
+from .reader import IndexReader
+from .reads import Reads, read_complete_manifest
 from .scoring import (
     Preconditioner,
     PreconditionerCache,
@@ -69,9 +70,10 @@ class Attributor:
             raise PrismError(f"{index_dir}: index was built from another checkpoint than "
                              f"{checkpoint or manifest.checkpoint}")
         self.shards: ShardSet
+        self.reader: Reads
         if cluster is None:
-            self.reader = IndexReader(index_dir, self.model.W)
-            self.shards = LocalShards(self.reader)
+            local = IndexReader(index_dir, self.model.W)
+            self.reader, self.shards = local, LocalShards(local)
         else:
             from .cluster import RayShards, RemoteReader
 
@@ -93,9 +95,12 @@ class Attributor:
     def manifest(self) -> IndexManifest:
         return self.reader.manifest
 
-    def _local_only(self, what: str) -> None:
+    def local_reader(self, what: str) -> IndexReader:
+        """The reader of every shard in this process (for work that reads the shards' own data here);
+        an error naming ``what`` when a cluster holds them."""
         if not isinstance(self.shards, LocalShards):
             raise PrismError(f"{what}: reads every shard in this process; open the index without a cluster")
+        return self.shards.worker.reader
 
     def close(self) -> None:
         """Let go of the shard holders (a cluster's actors) and of the shards' open files; the index files
@@ -110,16 +115,17 @@ class Attributor:
     def encode(self, spec: QuerySpec) -> Query:
         return self.encoder.encode(spec)
 
-    def candidate_sequences(self, q: Query, n_candidates: int = 256, damping: float | None = None,
+    def candidate_sequences(self, q: Query, n_candidates: int = 256, pre: Preconditioner | None = None,
                             nprobe: int | None = None, ctx: CallContext | None = None) -> np.ndarray:
         """The sequences the fast path's first stages pick for an encoded query: the ``n_candidates``
-        nearest by FAISS, and those of the best tokens of the query's posting lists."""
-        pre = self.preconditioner(damping)
+        nearest by FAISS, and those of the best tokens of the query's posting lists (``pre``: the
+        curvature, default the index's)."""
+        pre = pre or self.preconditioner()
         e = self.reader.query_embedding(q.G * pre.inv.sqrt()) if n_candidates > 0 else None
         st = self.stages
         token_stage = st.proto_candidates > 0 and st.token_candidates > 0
         plan = posting_plan(self.reader, q.G, pre, st) if token_stage else None
-        found, posted = self.shards.first_stages(e, n_candidates, nprobe, q.G, pre.damping, plan,
+        found, posted = self.shards.first_stages(e, n_candidates, nprobe, q.G, pre, plan,
                                                  st.token_candidates if token_stage else 0, ctx)
         return np.unique(np.concatenate([found, posted]))
 
@@ -128,17 +134,19 @@ class Attributor:
             raise QueryError(f"mode: 'exact' runs the model over every training token ({self.reader.n_tokens:,} "
                              f"here, over this server's limit of {self.exact_token_limit:,}); use 'fast'")
 
-    def _fast(self, q: Query, opt: QueryOptions, pre: Preconditioner,
-              ctx: CallContext | None = None) -> tuple[TokenScores, int, list]:
+    def _fast(self, q: Query, opt: QueryOptions, pre: Preconditioner, ctx: CallContext | None = None,
+              seqs: np.ndarray | None = None) -> tuple[TokenScores, int, list]:
+        """``seqs``: the candidates when the caller has them already."""
         t0 = time.perf_counter()
-        seqs = self.candidate_sequences(q, opt.n_candidates, opt.damping, opt.nprobe, ctx)
+        if seqs is None:
+            seqs = self.candidate_sequences(q, opt.n_candidates, pre, opt.nprobe, ctx)
         if ctx is not None:
             ctx.candidates_ms = 1e3 * (time.perf_counter() - t0)
         # the shortlist ranks the approximate scores (cosine_match: by the whole target's best token)
         shortlist_by = "cosine_max" if opt.aggregation == "cosine_match" else opt.aggregation
         m = opt.exact_tokens if opt.aggregation.endswith("_max") else None
         match = q if opt.aggregation == "cosine_match" else None
-        short = self.shards.shortlist(q.G, pre.damping, seqs, shortlist_by, opponents=opt.opponents,
+        short = self.shards.shortlist(q.G, pre, seqs, shortlist_by, opponents=opt.opponents,
                                       n=max(opt.exact_rerank, opt.n_documents), m=m, match=match is not None,
                                       include_untrained=opt.include_untrained, ctx=ctx)
         best_seqs = short.best_seq
@@ -163,19 +171,14 @@ class Attributor:
         sign = -1.0 if opt.opponents else 1.0
         tot = exhaustive(self.model, self.reader, [q], pre, sign=sign, match=opt.aggregation == "cosine_match",
                          on_batch=lambda _: check_stop(stop, "the exact attribution"))[0]
-        per_doc = tot.scores(sign)[opt.aggregation]
+        keep = None if opt.include_untrained else self.reader.trained(np.arange(self.reader.n_docs))
+        top, per_doc, _ = tot.rank(opt.aggregation, sign, opt.n_documents, keep)
         best_tok = tot.best_token(opt.aggregation)
-        ok = best_tok >= 0
-        if not opt.include_untrained:
-            ok &= self.reader.trained(np.arange(self.reader.n_docs))
-        scored = np.nonzero(ok)[0]
-        tie = sign * tot.tie_break(opt.aggregation)[scored]
-        top = scored[np.lexsort((-tie, -(sign * per_doc[scored])))[: opt.n_documents]]
         # the returned documents' best sequences, scored again for their presentation
         exact = exact_scores(self.model, self.reader, q.G, pre, self.reader.seq_of_tokens(best_tok[top]),
                              match=q if opt.aggregation == "cosine_match" else None)
         where = {int(t): i for i, t in enumerate(exact.tok)}
-        return exact, self.reader.n_tokens, [(where[int(best_tok[d])], float(per_doc[d])) for d in top]
+        return exact, self.reader.n_tokens, [(where[int(best_tok[d])], float(sc)) for d, sc in zip(top, per_doc, strict=True)]
 
     def attribute(self, spec: QuerySpec, options: QueryOptions | None = None, *,
                   stop: threading.Event | None = None) -> Attribution:
@@ -297,7 +300,7 @@ class Attributor:
         """Stored tokens of ``docs``: counted from the sequence offsets, or estimated from the mean document
         length where this process does not hold the shards (a cluster)."""
         if isinstance(self.shards, LocalShards):
-            return self.reader.tokens_of_documents(docs)
+            return self.local_reader("discovery").tokens_of_documents(docs)
         return int(len(docs) * self.reader.n_tokens / max(1, self.reader.n_docs))
 
     def document_scores(self, q: Query, mode: Mode = "exact", n_candidates: int = 256,
@@ -312,10 +315,10 @@ class Attributor:
             return exhaustive(self.model, self.reader, [q], pre, match=match)[0].scores(1.0)
         opt = QueryOptions(n_candidates=n_candidates, damping=damping, exact_rerank=exact_rerank,
                            include_untrained=True)  # every document: the caller decides which count
-        self._local_only("document_scores")
-        seqs = self.candidate_sequences(q, n_candidates, damping)
-        out = document_scores(self.reader, approx_scores(self.reader, q.G, pre, self.reader.rows_of_sequences(seqs)))
-        exact, _, _ = self._fast(q, opt, pre)
+        local = self.local_reader("document_scores")
+        seqs = self.candidate_sequences(q, n_candidates, pre)
+        out = document_scores(self.reader, approx_scores(local, q.G, pre, local.rows_of_sequences(seqs)))
+        exact, _, _ = self._fast(q, opt, pre, seqs=seqs)
         ex = document_scores(self.reader, exact)
         hit = np.zeros(self.reader.n_docs, dtype=bool)
         hit[self.reader.doc_of_seqs(self.reader.seq_of_tokens(exact.tok))] = True

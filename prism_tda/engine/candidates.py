@@ -23,6 +23,7 @@ import numpy as np
 import torch
 
 from .reader import IndexReader, ranges
+from .reads import Reads
 from .scoring import Preconditioner, approx_scores
 
 
@@ -47,7 +48,7 @@ class PostingPlan:
     last_total: int
 
 
-def posting_plan(reader: IndexReader, G: torch.Tensor, pre: Preconditioner, stages: FirstStages) -> PostingPlan | None:
+def posting_plan(reader: Reads, G: torch.Tensor, pre: Preconditioner, stages: FirstStages) -> PostingPlan | None:
     """The lists the token stage reads for one query (None: none), from the index-wide parts only."""
     weight = (G * G * pre.inv).sum(1)  # each prototype's part of I(q, q)
     heavy = torch.argsort(weight, descending=True)[: stages.proto_candidates]
@@ -89,11 +90,6 @@ def read_postings(reader: IndexReader, plan: PostingPlan | None) -> np.ndarray:
     return np.unique(np.concatenate(parts)) if parts else np.zeros(0, np.int64)
 
 
-def posting_tokens(reader: IndexReader, G: torch.Tensor, pre: Preconditioner, stages: FirstStages) -> np.ndarray:
-    """The posting-list entries (global token rows) the token stage reads for one query."""
-    return read_postings(reader, posting_plan(reader, G, pre, stages))
-
-
 def best_posting_tokens(reader: IndexReader, G: torch.Tensor, pre: Preconditioner, plan: PostingPlan | None,
                         n: int) -> tuple[np.ndarray, np.ndarray]:
     """(rows, approximate cosines) of the ``n`` best-scoring tokens of the planned lists in the open
@@ -104,14 +100,3 @@ def best_posting_tokens(reader: IndexReader, G: torch.Tensor, pre: Preconditione
     s = approx_scores(reader, G, pre, tok)
     top = np.lexsort((s.tok, -s.cos))[:n]
     return s.tok[top], s.cos[top]
-
-
-def candidate_sequences(reader: IndexReader, G: torch.Tensor, pre: Preconditioner, n_candidates: int,
-                        stages: FirstStages, nprobe: int | None = None) -> np.ndarray:
-    """The fast path's candidate sequences (global ids) for one query."""
-    seqs = reader.search(G * pre.inv.sqrt(), n_candidates, nprobe) if n_candidates > 0 else np.zeros(0, np.int64)
-    if stages.proto_candidates > 0 and stages.token_candidates > 0:
-        best, _ = best_posting_tokens(reader, G, pre, posting_plan(reader, G, pre, stages), stages.token_candidates)
-        if len(best):
-            seqs = np.concatenate([seqs, reader.seq_of_tokens(best)])
-    return np.unique(seqs)

@@ -33,9 +33,9 @@ import torch
 
 from prism_tda.errors import PrismError, ShardUnavailable, check_stop
 
-from . import layout
 from .candidates import PostingPlan
-from .reader import IndexReader, read_complete_manifest
+from .reads import IndexWide, read_complete_manifest
+from .scoring import Preconditioner, PreconditionerCache
 from .shards import (
     CallContext,
     CallStats,
@@ -98,12 +98,19 @@ class ShardActor:
     """A Ray actor around a :class:`ShardWorker`: every call returns (result, its statistics). It
     reads what it needs from the index and the checkpoint itself, so Ray can restart it anywhere."""
 
+    # the calls whose curvature crosses the Ray edge as its damping (a float), and where it stands
+    PRECONDITIONED = {"first_stages": 4, "shortlist": 1}
+
     def __init__(self, index_dir: str, checkpoint: str, shards: list[int], threads: int) -> None:
         torch.set_num_threads(max(1, threads))
         self.worker = ShardWorker.open(index_dir, unembedding(checkpoint), shards)
+        self.pre = PreconditionerCache(self.worker.reader)  # this process's one cache
 
     def call(self, method: str, *args: Any, **kw: Any) -> tuple[Any, CallStats | None]:
         self.worker.last = None
+        at = self.PRECONDITIONED.get(method)
+        if at is not None:
+            args = (*args[:at], self.pre.get(args[at]), *args[at + 1:])
         out = getattr(self.worker, method)(*args, **kw)
         return out, self.worker.last
 
@@ -214,17 +221,17 @@ class RayShards:
         return list(self.call({g: (method, args, kw) for g in range(len(self.actors))}, ctx).values())
 
     # ------------------------------------------------------------------------ the query's steps
-    def first_stages(self, e: np.ndarray | None, n: int, nprobe: int | None, G: torch.Tensor, damping: float,
+    def first_stages(self, e: np.ndarray | None, n: int, nprobe: int | None, G: torch.Tensor, pre: Preconditioner,
                      plan: PostingPlan | None, n_tokens: int,
                      ctx: CallContext | None = None) -> tuple[np.ndarray, np.ndarray]:
-        parts = self.everyone("first_stages", e, n, nprobe, G, damping, plan, n_tokens, ctx=ctx)
+        parts = self.everyone("first_stages", e, n, nprobe, G, pre.damping, plan, n_tokens, ctx=ctx)
         return merge_search([p[0] for p in parts], n), merge_best_tokens([p[1] for p in parts], n_tokens)
 
-    def shortlist(self, G: torch.Tensor, damping: float, seqs: np.ndarray, aggregation: Aggregation, *,
+    def shortlist(self, G: torch.Tensor, pre: Preconditioner, seqs: np.ndarray, aggregation: Aggregation, *,
                   opponents: bool, n: int, m: int | None, match: bool, include_untrained: bool,
                   ctx: CallContext | None = None) -> Shortlist:
         kw = dict(opponents=opponents, n=n, m=m, match=match, include_untrained=include_untrained)
-        parts = self.call({g: ("shortlist", (G, damping, s, aggregation), kw)
+        parts = self.call({g: ("shortlist", (G, pre.damping, s, aggregation), kw)
                            for g, s in self.split(np.unique(seqs), self.seq_base).items()}, ctx)
         return merge_shortlists(list(parts.values()), n, -1.0 if opponents else 1.0)
 
@@ -265,12 +272,13 @@ class RayShards:
                 _ray_started_here = False
 
 
-class RemoteReader(IndexReader):
-    """The coordinator's reader: the index-wide parts read here, everything of a shard asked from the
-    actor holding it and cached (bounded) for the queries that follow."""
+class RemoteReader(IndexWide):
+    """The coordinator's reads (``engine/reads.py``) of an index whose shards Ray actors hold: the
+    index-wide parts read here, everything of a shard asked from the actor holding it and cached
+    (bounded) for the queries that follow."""
 
     def __init__(self, index_dir: str | Path, W: torch.Tensor, remote: RayShards) -> None:
-        super().__init__(index_dir, W, shards=[])
+        super().__init__(index_dir, W)
         self.remote = remote
         self._lock = threading.Lock()
         self._seqs: collections.OrderedDict[int, tuple[int, int, int, int, np.ndarray, np.ndarray]] = \
@@ -320,15 +328,18 @@ class RemoteReader(IndexReader):
                 raise PrismError(f"{self.dir}: sequence {seq} could not be read from its shard")
         return got
 
-    def _list_sizes(self) -> np.ndarray:
-        path = self.dir / layout.POST_SIZES
-        if path.is_file():
-            sizes = np.load(path)
-            if len(sizes) == len(self.calib.curvature.lam) * self.n_cells:
-                return sizes
-        return np.sum(self.remote.everyone("list_sizes"), axis=0)  # an index without the file: its holders' sums
+    @functools.cached_property
+    def list_sizes(self) -> np.ndarray:
+        """As the reduce wrote them, or (an index without the file) its holders' sums."""
+        sizes = self.stored_list_sizes()
+        return sizes if sizes is not None else np.sum(self.remote.everyone("list_sizes"), axis=0)
 
-    # ------------------------------------------------------------------------ IndexReader's reads
+    def close(self) -> None:
+        with self._lock:
+            self._seqs.clear()
+            self._docs.clear()
+
+    # ------------------------------------------------------------------------ the reads
     def seq_span(self, seq: int) -> tuple[int, int, int]:
         first, end, start, _, _, _ = self._seq(int(seq))
         return first, end, start
@@ -380,5 +391,3 @@ class RemoteReader(IndexReader):
         order = np.lexsort((r, -a))[:n]
         return [(int(r[i]), float(a[i])) for i in order]
 
-    def search_embedding(self, e: np.ndarray, n: int, nprobe: int | None = None) -> tuple[np.ndarray, np.ndarray]:
-        raise PrismError("search through the shard holders (RayShards.search)")

@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 from tokenizers import Tokenizer
 
-from .reader import IndexReader
+from .reads import Reads
 from .scoring import TokenScores
 from .types import Highlight, ProtoShare, ScoredDocument
 
@@ -14,7 +14,7 @@ WINDOW = 24  # tokens of snippet on each side of the best token
 MAX_HIGHLIGHTS = 8
 
 
-def scored_document(reader: IndexReader, tokenizer: Tokenizer, scores: TokenScores, best: int, score: float,
+def scored_document(reader: Reads, tokenizer: Tokenizer, scores: TokenScores, best: int, score: float,
                     rank: int, *, opponents: bool) -> ScoredDocument:
     """The document whose best token is ``scores.tok[best]``: the snippet is the predicted tokens of
     the rows around it; highlights are the snippet's scored tokens that push the same way, weighted

@@ -1,6 +1,7 @@
-"""Reading an index for queries: the manifest, the calibration, and every shard's files through
-memory maps, so opening costs O(shards), not O(tokens), and the OS page cache (not the process)
-holds what queries touch.
+"""Reading an index's shards in this process: every shard's files through memory maps, so opening
+costs O(shards), not O(tokens), and the OS page cache (not the process) holds what queries touch.
+:class:`IndexReader` implements the coordinator's reads (``engine/reads.py``) and everything the
+shard side reads (token data, posting lists, FAISS).
 
 Ids are global: a shard's tokens, sequences and documents follow those of the shards before it
 (in work-unit order). Token rows are addressed globally (``tok_base[s] + local``).
@@ -21,9 +22,8 @@ import torch
 from prism_tda.errors import PrismError
 
 from . import layout
-from .calibration import IndexCalibration
-from .layout import DOC_ROW_GROUP, IndexManifest, ShardInfo
-from .sketch import Sketch, normalise
+from .layout import DOC_ROW_GROUP, ShardInfo
+from .reads import IndexWide
 
 DOC_GROUPS_CACHED = 64  # decoded Parquet row groups of documents kept, over every shard
 ARRAYS = ("tokens", "protos", "acts", "codes", "self", "post_offsets", "post_tokens", "proto_top", "seq_tok0",
@@ -38,14 +38,6 @@ def open_faiss(path: Path):
         return faiss.read_index(str(path), faiss.IO_FLAG_MMAP | faiss.IO_FLAG_READ_ONLY)
     except RuntimeError:
         return faiss.read_index(str(path))
-
-
-def read_complete_manifest(index_dir: Path) -> IndexManifest:
-    """The manifest of a complete index; a clear error for anything else."""
-    m = layout.read_manifest(index_dir)
-    if m is None or not m.complete:
-        raise PrismError(f"{index_dir}: not a complete index (manifest.json missing or incomplete)")
-    return m
 
 
 class Shard:
@@ -116,41 +108,25 @@ class TokenData:
     targets: np.ndarray  # (n,) the predicted token
 
 
-class IndexReader:
+class IndexReader(IndexWide):
+    """The index-wide parts and the shards at some positions, memory-mapped in this process."""
+
     def __init__(self, index_dir: str | Path, W: torch.Tensor, shards: list[int] | None = None) -> None:
         """``W``: the model's unembedding (the token vectors' exact part, ``engine/codec.py``).
         ``shards``: the positions (in the manifest's order) of the shards this reader opens (default:
-        all). Ids stay global whichever are open; reading a shard that is not open is an error. A
-        reader with no shard open holds only the index-wide parts (calibration, sketch, list sizes):
-        what a coordinator needs to plan a query whose shards other processes hold."""
+        all). Ids stay global whichever are open; reading a shard that is not open is an error."""
         t0 = time.perf_counter()
-        self.dir = Path(index_dir)
-        self.manifest = read_complete_manifest(self.dir)
-        self.cfg = self.manifest.config
-        self.calib = IndexCalibration.load(self.dir / layout.CALIBRATION)
-        self.curv = self.calib.curvature
-        self.codec = self.calib.codec(W)
-        self.mean_eig = float(self.curv.damping) / self.cfg.damping  # the damping unit
-        self.act_table = self.calib.act_table()
-        self.sketch = Sketch(self.n_prototypes, self.curv.u_dim, self.cfg.embed_dim, self.cfg.sketch_buckets,
-                             self.cfg.seed)
-        self.n_cells = self.calib.cells.shape[0]
+        super().__init__(index_dir, W)
         infos = self.manifest.shards
         self.held = list(range(len(infos))) if shards is None else sorted(set(shards))
         if any(not 0 <= s < len(infos) for s in self.held):
             raise PrismError(f"{self.dir}: shard positions {self.held} out of range (the index has {len(infos)})")
         self.shards = [Shard(layout.shard_dir(self.dir, infos[s].unit), infos[s]) for s in self.held]
         self._at = {s: sh for s, sh in zip(self.held, self.shards, strict=True)}
-        self.tok_base, self.seq_base, self.doc_base = self.manifest.bases()
-        self.n_tokens, self.n_seqs, self.n_docs = int(self.tok_base[-1]), int(self.seq_base[-1]), int(self.doc_base[-1])
-        self.nprobe = self.manifest.calibration.faiss_nprobe if self.manifest.calibration else 1
-        self.shard_of_unit = np.zeros(max((s.unit for s in self.manifest.shards), default=0) + 1, dtype=np.int64)
-        self.shard_of_unit[[s.unit for s in self.manifest.shards]] = np.arange(len(self.manifest.shards))
         self.stacked = self._stack_ivf()
         # decoded document row groups, the most recent few over every shard (bounded memory)
         self._doc_group = functools.lru_cache(maxsize=DOC_GROUPS_CACHED)(
             lambda s, g: self.shard(s).doc_group(g))
-        self.k = int(self.manifest.model.get("n_active", self.manifest.model.get("top_k", 8)))
         self.load_seconds = time.perf_counter() - t0
 
     def close(self) -> None:
@@ -171,14 +147,6 @@ class IndexReader:
     def held_shards(self) -> list[tuple[int, Shard]]:
         """(position, shard) of every open shard, in order."""
         return list(zip(self.held, self.shards, strict=True))
-
-    @property
-    def n_prototypes(self) -> int:
-        return self.curv.lam.shape[0]
-
-    def inv(self, damping: float) -> torch.Tensor:
-        """(K, d) diagonal of (H_i + damping * mean_eig * I)^{-1} in the Q basis."""
-        return 1.0 / (self.curv.lam + damping * self.mean_eig)
 
     # --------------------------------------------------------------------------- addressing
     def _split(self, rows: np.ndarray, base: np.ndarray) -> list[tuple[int, np.ndarray, np.ndarray]]:
@@ -255,14 +223,6 @@ class IndexReader:
             parts.append(self.tok_base[s] + ranges(t0[local], t0[local + 1]))
         return np.concatenate(parts) if parts else np.zeros(0, np.int64)
 
-    def token_context(self, row: int) -> tuple[int, int, int, list[int]]:
-        """(sequence, document, position in the sequence, the sequence's input tokens) of one global
-        token row: where a context shown for a token comes from."""
-        seq = int(self.seq_of_tokens(np.array([row]))[0])
-        lo, _, _ = self.seq_span(seq)
-        tokens, _ = self.sequence_tokens(seq)
-        return seq, int(self.doc_of_seqs(np.array([seq]))[0]), int(row) - lo, tokens
-
     def rows_of_documents(self, docs: np.ndarray) -> np.ndarray:
         """Global token rows of the given documents (ascending)."""
         parts = []
@@ -301,18 +261,15 @@ class IndexReader:
                                          len(self.calib.curvature.lam) * self.n_cells)
 
     def _list_sizes(self) -> np.ndarray:
-        """(K * cells,) entries of each (prototype, cell) posting list over every shard: the reduce
-        writes them (``post_sizes.npy``); an index without the file sums its shards' offsets."""
-        path = self.dir / layout.POST_SIZES
-        n = len(self.calib.curvature.lam) * self.n_cells
-        if path.is_file():
-            sizes = np.load(path)
-            all_open = len(self.shards) == len(self.manifest.shards)
-            if len(sizes) == n and (not all_open or int(sizes.sum()) == sum(len(sh.post_tokens) for sh in self.shards)):
-                return sizes
-        if len(self.shards) < len(self.manifest.shards):
-            raise PrismError(f"{path}: missing or stale; a reader of part of the index needs it (run "
-                             f"`prism index` again to rewrite it)")
+        """Over every shard: as the reduce wrote them (``post_sizes.npy``), checked against the shards'
+        own offsets when all are open; an index without the file sums its shards' offsets."""
+        sizes = self.stored_list_sizes()
+        all_open = len(self.shards) == len(self.manifest.shards)
+        if sizes is not None and (not all_open or int(sizes.sum()) == sum(len(sh.post_tokens) for sh in self.shards)):
+            return sizes
+        if not all_open:
+            raise PrismError(f"{self.dir / layout.POST_SIZES}: missing or stale; a reader of part of the index "
+                             f"needs it (run `prism index` again to rewrite it)")
         return self.open_list_sizes()
 
     def _stack_ivf(self):
@@ -337,16 +294,6 @@ class IndexReader:
         ivf.ntotal = merged.ntotal = sum(part.ntotal for part in parts)
         self._faiss_keep = (parts, lists, stacked)  # the stacked lists point into these
         return merged
-
-    def query_embedding(self, G_pre: torch.Tensor) -> np.ndarray:
-        """(1, D) the normalised sketch embedding of the preconditioned query columns ``G_pre`` (K, d)."""
-        K = G_pre.shape[0]
-        return normalise(self.sketch.embed_rows(torch.zeros(K, dtype=torch.long), torch.arange(K), G_pre, 1).numpy())
-
-    def search(self, G_pre: torch.Tensor, n: int, nprobe: int | None = None) -> np.ndarray:
-        """The ``n`` sequences nearest to the preconditioned query columns ``G_pre`` (K, d) by the cosine
-        of their sketch embeddings, over every open shard's FAISS part."""
-        return self.search_embedding(self.query_embedding(G_pre), n, nprobe)[1]
 
     def search_embedding(self, e: np.ndarray, n: int, nprobe: int | None = None) -> tuple[np.ndarray, np.ndarray]:
         """(similarities, global sequence ids) of the ``n`` sequences nearest to the query embedding

@@ -11,8 +11,7 @@ normalised to a cosine by ``sqrt(I(q, q) I(t, t))``. Two ways to get the token's
 - **exact**: recomputed by running the model over the token's sequence (full precision, as DESIGN's
   exact influence), for the shortlisted documents and for ``mode="exact"``.
 
-A document's score aggregates its scored tokens: the best token's cosine (``cosine_max``, the
-default), the sum of its cosines, or the best or summed raw influence.
+A document's score aggregates its scored tokens' scores (``engine/aggregate.py``).
 """
 
 from __future__ import annotations
@@ -27,8 +26,10 @@ import torch
 from prism_tda.errors import QueryError
 from prism_tda.model import PRISM
 
+from .aggregate import DocumentTotals
 from .query import Query
 from .reader import IndexReader
+from .reads import Reads
 from .tokens import run_batch
 from .types import Aggregation
 
@@ -50,7 +51,7 @@ class PreconditionerCache:
     """Preconditioners by damping for one index, the ``size`` most recently used kept (each holds K x d
     floats, so a cache keyed by a client's float must be bounded); thread-safe."""
 
-    def __init__(self, reader: IndexReader, size: int = 8) -> None:
+    def __init__(self, reader: Reads, size: int = 8) -> None:
         self.reader, self.size = reader, size
         self._items: OrderedDict[float, Preconditioner] = OrderedDict()
         self._lock = threading.Lock()
@@ -95,8 +96,10 @@ def _query_columns(G: torch.Tensor, pre: Preconditioner) -> tuple[np.ndarray, to
     return col, (G[active] * pre.inv[active]).float()
 
 
-def _scores(tok: np.ndarray, protos: np.ndarray, acts: np.ndarray, U: torch.Tensor, t_self: np.ndarray,
-            G: torch.Tensor, pre: Preconditioner, exact: bool) -> TokenScores:
+def score_tokens(tok: np.ndarray, protos: np.ndarray, acts: np.ndarray, U: torch.Tensor, t_self: np.ndarray,
+                 G: torch.Tensor, pre: Preconditioner, exact: bool) -> TokenScores:
+    """Token scores from their quantities: active prototypes (n, k), activations (n, k), token vectors
+    ``Q^T u_t`` (n, d) and ``I(t, t)`` (n,), for the query gradient ``G`` (K, d) under ``pre``."""
     col, Wq = _query_columns(G, pre)
     c = col[protos]  # (n, k)
     hit = (c >= 0) & (acts > 0)
@@ -115,7 +118,7 @@ def match_cosines(protos: np.ndarray, acts: np.ndarray, U: torch.Tensor, t_self:
     out = np.zeros((len(t_self), q.n_targets))
     tok = np.zeros(len(t_self), dtype=np.int64)
     for j in range(q.n_targets):
-        out[:, j] = _scores(tok, protos, acts, U, t_self, q.target_G(j), pre, exact=True).cos
+        out[:, j] = score_tokens(tok, protos, acts, U, t_self, q.target_G(j), pre, exact=True).cos
     return out
 
 
@@ -138,7 +141,7 @@ def approx_scores(reader: IndexReader, G: torch.Tensor, pre: Preconditioner, tok
     if not pre.is_index_default:
         U = reader.token_vectors(tok, data.targets)
         t_self = self_influence(U, data.protos, data.acts, pre.inv)
-        return _scores(tok, data.protos, data.acts, U, t_self, G, pre, exact=False)
+        return score_tokens(tok, data.protos, data.acts, U, t_self, G, pre, exact=False)
     col, Wq = _query_columns(G, pre)
     c = col[data.protos]  # (n, k)
     hit = (c >= 0) & (data.acts > 0)
@@ -161,7 +164,7 @@ def approx_scores(reader: IndexReader, G: torch.Tensor, pre: Preconditioner, tok
     return TokenScores(tok, raw, cos, data.protos, slot_val, False)
 
 
-def exact_scores(model: PRISM, reader: IndexReader, G: torch.Tensor, pre: Preconditioner, seqs: np.ndarray, *,
+def exact_scores(model: PRISM, reader: Reads, G: torch.Tensor, pre: Preconditioner, seqs: np.ndarray, *,
                  tokens: np.ndarray | None = None, batch_size: int = 32, match: Query | None = None) -> TokenScores:
     """Scores of every token of the sequences ``seqs`` (or only of the global rows ``tokens``, which
     then name the sequences), recomputed by the model in full precision; with ``match``, also each
@@ -185,7 +188,7 @@ def exact_scores(model: PRISM, reader: IndexReader, G: torch.Tensor, pre: Precon
         protos, acts = tb.proto_idx.numpy(), tb.acts.float().numpy()
         rows = first[tb.row.numpy()] + tb.pos.numpy()
         t_self = self_influence(ut, protos, acts, pre.inv)
-        part = _scores(rows, protos, acts, ut, t_self, G, pre, exact=True)
+        part = score_tokens(rows, protos, acts, ut, t_self, G, pre, exact=True)
         if match is not None:
             part.match = match_cosines(protos, acts, ut, t_self, match, pre)
         parts.append(part)
@@ -199,38 +202,34 @@ def exact_scores(model: PRISM, reader: IndexReader, G: torch.Tensor, pre: Precon
     return TokenScores(cat["tok"], cat["raw"], cat["cos"], cat["protos"], cat["slot_val"], True, m)
 
 
-def token_docs(reader: IndexReader, scores: TokenScores) -> np.ndarray:
+def token_docs(reader: Reads, scores: TokenScores) -> np.ndarray:
     return reader.doc_of_seqs(reader.seq_of_tokens(scores.tok))
 
 
-def document_scores(reader: IndexReader, scores: TokenScores) -> dict[Aggregation, np.ndarray]:
+def document_totals(reader: Reads, scores: TokenScores, sign: float) -> DocumentTotals:
+    """The per-document totals of a list of scored tokens (``engine/aggregate.py``); a token is named
+    by its position in ``scores``."""
+    return DocumentTotals.of_tokens(token_docs(reader, scores), scores.cos, scores.raw, sign, scores.match)
+
+
+def document_scores(reader: Reads, scores: TokenScores) -> dict[Aggregation, np.ndarray]:
     """Every document's score under each aggregation (0 where a document has no scored token)."""
-    docs = token_docs(reader, scores)
-
-    def best(v: np.ndarray) -> np.ndarray:
-        out = np.full(reader.n_docs, -np.inf)
-        np.maximum.at(out, docs, v)
-        out[~np.isfinite(out)] = 0.0
-        return out
-
-    def total(v: np.ndarray) -> np.ndarray:
-        return np.bincount(docs, weights=v, minlength=reader.n_docs)
-
-    return {"cosine_max": best(scores.cos), "cosine_sum": total(scores.cos),
-            "raw_max": best(scores.raw), "raw_sum": total(scores.raw)}
+    return document_totals(reader, scores, 1.0).expand(reader.n_docs, 1.0)
 
 
-def best_of_groups(groups: np.ndarray, value: np.ndarray, tie: np.ndarray | None = None) -> np.ndarray:
-    """Positions of each group's element with the highest ``value`` (among equals, the highest
-    ``tie``), one per group, groups ascending."""
-    if len(groups) == 0:
-        return np.zeros(0, dtype=np.int64)
-    order = np.lexsort((-value, groups) if tie is None else (-tie, -value, groups))
-    g = groups[order]
-    return order[np.r_[True, g[1:] != g[:-1]]]
+def ranked_documents(reader: Reads, scores: TokenScores, aggregation: Aggregation, *, sign: float,
+                     n: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(index into ``scores.tok`` of each document's best token, document score, tie-break measure) of
+    the ``n`` best documents, best first (``DocumentTotals.rank``: the order parts ranked apart merge
+    by, ``engine/shards.py``)."""
+    if aggregation == "cosine_match" and scores.match is None:
+        raise ValueError("cosine_match needs the target tokens' cosines (TokenScores.match)")
+    tot = document_totals(reader, scores, sign)
+    at, score, tie = tot.rank(aggregation, sign, n)
+    return tot.best_token(aggregation)[at], score, tie
 
 
-def rank_documents(reader: IndexReader, scores: TokenScores, aggregation: Aggregation, *, opponents: bool,
+def rank_documents(reader: Reads, scores: TokenScores, aggregation: Aggregation, *, opponents: bool,
                    n: int) -> list[tuple[int, float]]:
     """The ``n`` best documents as (index into ``scores.tok`` of the document's best token, document
     score), best first; with ``opponents``, the most negative."""
@@ -238,54 +237,6 @@ def rank_documents(reader: IndexReader, scores: TokenScores, aggregation: Aggreg
     return [(int(b), float(s)) for b, s in zip(best, score, strict=True)]
 
 
-def ranked_documents(reader: IndexReader, scores: TokenScores, aggregation: Aggregation, *, sign: float,
-                     n: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """(index into ``scores.tok`` of each document's best token, document score, tie-break measure) of
-    the ``n`` best documents, best first: by ``sign * score``, then ``sign * tie``, then the lower
-    document id (the order parts ranked apart merge by, ``engine/shards.py``)."""
-    if aggregation == "cosine_match":
-        return _rank_match(reader, scores, sign, n)
-    per_token = scores.cos if aggregation.startswith("cosine") else scores.raw
-    # ties (cosines saturate near 1 on common tokens) are broken by the other measure: raw influence
-    # for the cosine aggregations, the cosine for the raw ones
-    other = scores.raw if aggregation.startswith("cosine") else scores.cos
-    docs = token_docs(reader, scores)
-    best = best_of_groups(docs, sign * per_token, sign * other)  # each document's best token
-    if aggregation.endswith("_max"):
-        doc_score, tie = per_token[best], other[best]
-    else:
-        _, doc_index = np.unique(docs, return_inverse=True)
-        doc_score = np.bincount(doc_index, weights=per_token)[doc_index[best]]
-        tie = np.bincount(doc_index, weights=other)[doc_index[best]]
-    top = np.lexsort((-(sign * tie), -(sign * doc_score)))[:n]
-    return best[top], np.asarray(doc_score[top], np.float64), np.asarray(tie[top], np.float64)
-
-
-def match_documents(docs: np.ndarray, match: np.ndarray, sign: float) -> tuple[np.ndarray, np.ndarray]:
-    """(unique documents, their ``cosine_match`` scores): per document and target token the best of
-    its tokens' cosines (by ``sign``), averaged over the target tokens."""
-    order = np.argsort(docs, kind="stable")
-    d = docs[order]
-    starts = np.nonzero(np.r_[True, d[1:] != d[:-1]])[0]
-    best = np.maximum.reduceat(sign * match[order], starts, axis=0)  # (n_docs_hit, n_targets)
-    return d[starts], sign * best.mean(1)
-
-
-def _rank_match(reader: IndexReader, scores: TokenScores, sign: float,
-                n: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    if scores.match is None:
-        raise ValueError("cosine_match needs the target tokens' cosines (TokenScores.match)")
-    if len(scores.tok) == 0:
-        return np.zeros(0, np.int64), np.zeros(0), np.zeros(0)
-    docs = token_docs(reader, scores)
-    uniq, doc_score = match_documents(docs, scores.match, sign)
-    # each document's shown token: the one closest to the whole target (best mean over target tokens)
-    best = best_of_groups(docs, sign * scores.match.mean(1))  # aligned with uniq (both by ascending document)
-    raw = scores.raw[best]
-    top = np.lexsort((-(sign * raw), -(sign * doc_score)))[:n]
-    return best[top], np.asarray(doc_score[top], np.float64), np.asarray(raw[top], np.float64)
-
-
-def trained_only(reader: IndexReader, seqs: np.ndarray) -> np.ndarray:
+def trained_only(reader: Reads, seqs: np.ndarray) -> np.ndarray:
     """The sequences of ``seqs`` whose documents the checkpoint trained on."""
     return seqs[reader.trained(reader.doc_of_seqs(seqs))] if len(seqs) else seqs

@@ -30,7 +30,7 @@ from prism_tda.errors import check_stop
 
 from .candidates import PostingPlan, best_posting_tokens
 from .reader import IndexReader
-from .scoring import Preconditioner, PreconditionerCache, approx_scores, ranked_documents, trained_only
+from .scoring import Preconditioner, approx_scores, ranked_documents, trained_only
 from .steering import PrototypeMass, mass_of_tokens, token_weights
 from .types import Aggregation
 
@@ -128,7 +128,6 @@ class ShardWorker:
 
     def __init__(self, reader: IndexReader) -> None:
         self.reader = reader
-        self._pre = PreconditionerCache(reader)
         self.last: CallStats | None = None
 
     @classmethod
@@ -140,14 +139,11 @@ class ShardWorker:
     def held(self) -> list[int]:
         return list(self.reader.held)
 
-    def preconditioner(self, damping: float) -> Preconditioner:
-        return self._pre.get(damping)
-
     def _done(self, method: str, t0: float, started: float, rows: int) -> None:
         self.last = CallStats(method, started, time.perf_counter() - t0, rows)
 
     # ------------------------------------------------------------------------ first stages
-    def first_stages(self, e: np.ndarray | None, n: int, nprobe: int | None, G: torch.Tensor, damping: float,
+    def first_stages(self, e: np.ndarray | None, n: int, nprobe: int | None, G: torch.Tensor, pre: Preconditioner,
                      plan: PostingPlan | None, n_tokens: int) -> tuple[tuple, tuple]:
         """Both first stages in one call: ((similarities, sequences) of the ``n`` nearest by FAISS,
         (rows, approximate cosines, sequences) of the ``n_tokens`` best tokens of the planned posting
@@ -157,13 +153,13 @@ class ShardWorker:
         found = self.reader.search_embedding(e, n, nprobe) if e is not None and n > 0 else none
         post = none + (np.zeros(0, np.int64),)
         if plan is not None and n_tokens > 0:
-            tok, cos = best_posting_tokens(self.reader, G, self.preconditioner(damping), plan, n_tokens)
+            tok, cos = best_posting_tokens(self.reader, G, pre, plan, n_tokens)
             post = (tok, cos, self.reader.seq_of_tokens(tok))
         self._done("first_stages", t0, started, len(post[0]))
         return found, post
 
     # ------------------------------------------------------------------------ shortlist
-    def shortlist(self, G: torch.Tensor, damping: float, seqs: np.ndarray, aggregation: Aggregation, *,
+    def shortlist(self, G: torch.Tensor, pre: Preconditioner, seqs: np.ndarray, aggregation: Aggregation, *,
                   opponents: bool, n: int, m: int | None, match: bool, include_untrained: bool) -> Shortlist:
         """The ``n`` best documents among the candidate sequences ``seqs`` (all in this worker's
         shards) by their approximate scores under ``aggregation``; for each, the rows of its best
@@ -174,7 +170,7 @@ class ShardWorker:
         seqs = np.unique(np.asarray(seqs, np.int64))
         if not include_untrained:
             seqs = trained_only(reader, seqs)
-        approx = approx_scores(reader, G, self.preconditioner(damping), reader.rows_of_sequences(seqs))
+        approx = approx_scores(reader, G, pre, reader.rows_of_sequences(seqs))
         sign = -1.0 if opponents else 1.0
         best, score, tie = ranked_documents(reader, approx, aggregation, sign=sign, n=n)
         best_seq = reader.seq_of_tokens(approx.tok[best]) if len(best) else np.zeros(0, np.int64)
@@ -248,9 +244,6 @@ class ShardWorker:
     def list_sizes(self) -> np.ndarray:
         return self.reader.open_list_sizes()
 
-    def ping(self) -> list[int]:
-        return self.held
-
 
 def place_shards(sizes: list[int], n_groups: int) -> list[list[int]]:
     """Shard positions for each of ``n_groups`` holders, balanced by size: the largest shard first to
@@ -265,13 +258,15 @@ def place_shards(sizes: list[int], n_groups: int) -> list[list[int]]:
 
 
 class ShardSet(Protocol):
-    """Whoever holds the shards, as the coordinator sees them: merged answers of every holder."""
+    """Whoever holds the shards, as the coordinator sees them: merged answers of every holder. The
+    curvature travels as the coordinator's :class:`Preconditioner` (a holder in another process gets
+    its damping and resolves it once there, ``engine/cluster.py``)."""
 
-    def first_stages(self, e: np.ndarray | None, n: int, nprobe: int | None, G: torch.Tensor, damping: float,
+    def first_stages(self, e: np.ndarray | None, n: int, nprobe: int | None, G: torch.Tensor, pre: Preconditioner,
                      plan: PostingPlan | None, n_tokens: int,
                      ctx: CallContext | None = None) -> tuple[np.ndarray, np.ndarray]: ...
 
-    def shortlist(self, G: torch.Tensor, damping: float, seqs: np.ndarray, aggregation: Aggregation, *,
+    def shortlist(self, G: torch.Tensor, pre: Preconditioner, seqs: np.ndarray, aggregation: Aggregation, *,
                   opponents: bool, n: int, m: int | None, match: bool, include_untrained: bool,
                   ctx: CallContext | None = None) -> Shortlist: ...
 
@@ -287,16 +282,16 @@ class LocalShards:
     def __init__(self, reader: IndexReader) -> None:
         self.worker = ShardWorker(reader)
 
-    def first_stages(self, e: np.ndarray | None, n: int, nprobe: int | None, G: torch.Tensor, damping: float,
+    def first_stages(self, e: np.ndarray | None, n: int, nprobe: int | None, G: torch.Tensor, pre: Preconditioner,
                      plan: PostingPlan | None, n_tokens: int,
                      ctx: CallContext | None = None) -> tuple[np.ndarray, np.ndarray]:
-        found, post = self.worker.first_stages(e, n, nprobe, G, damping, plan, n_tokens)
+        found, post = self.worker.first_stages(e, n, nprobe, G, pre, plan, n_tokens)
         return merge_search([found], n), merge_best_tokens([post], n_tokens)
 
-    def shortlist(self, G: torch.Tensor, damping: float, seqs: np.ndarray, aggregation: Aggregation, *,
+    def shortlist(self, G: torch.Tensor, pre: Preconditioner, seqs: np.ndarray, aggregation: Aggregation, *,
                   opponents: bool, n: int, m: int | None, match: bool, include_untrained: bool,
                   ctx: CallContext | None = None) -> Shortlist:
-        part = self.worker.shortlist(G, damping, seqs, aggregation, opponents=opponents, n=n, m=m, match=match,
+        part = self.worker.shortlist(G, pre, seqs, aggregation, opponents=opponents, n=n, m=m, match=match,
                                      include_untrained=include_untrained)
         return merge_shortlists([part], n, -1.0 if opponents else 1.0)
 

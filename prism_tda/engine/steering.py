@@ -30,6 +30,7 @@ from tokenizers import Tokenizer
 from prism_tda.errors import QueryError
 from prism_tda.model import PRISM
 
+from .reads import Reads, token_context
 from .tokens import run_batch
 
 
@@ -191,7 +192,7 @@ def words(text: str) -> list[str]:
     return [w for w in (m.group(0).lower().strip("'-") for m in WORD.finditer(text)) if len(w) > 2 and w not in STOP]
 
 
-def prototype_labels(reader, model: PRISM, tokenizer: Tokenizer, *, n_contexts: int = 10, n_signature: int = 10,
+def prototype_labels(reader: Reads, model: PRISM, tokenizer: Tokenizer, *, n_contexts: int = 10, n_signature: int = 10,
                      n_words: int = 3) -> dict[int, str]:
     """A few words naming each prototype (c-TF-IDF over its top contexts and its logit signature); ``reader``:
     an index reader (``engine/reader.py``)."""
@@ -201,7 +202,7 @@ def prototype_labels(reader, model: PRISM, tokenizer: Tokenizer, *, n_contexts: 
     for p in range(K):
         c: Counter = Counter()
         for row, _ in reader.top_contexts(p, n_contexts):
-            _, _, pos, ids = reader.token_context(row)
+            _, _, pos, ids = token_context(reader, row)
             a, b = max(0, pos - 6), min(len(ids), pos + 6)
             start, end = len(tokenizer.decode(ids[a:pos])), len(tokenizer.decode(ids[a : pos + 1]))
             for m in WORD.finditer(tokenizer.decode(ids[a:b])):

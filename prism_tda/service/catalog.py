@@ -14,13 +14,13 @@ from typing import Any
 import numpy as np
 import pyarrow.parquet as pq
 
-from prism_tda.engine.reader import IndexReader
+from prism_tda.engine.reads import Reads, token_context
 
 ORDERS = {"mass": "mass", "n_tokens": "n_tokens", "proto_id": "proto_id"}
 
 
 class Catalog:
-    def __init__(self, reader: IndexReader, model: Any = None, tokenizer: Any = None) -> None:
+    def __init__(self, reader: Reads, model: Any = None, tokenizer: Any = None) -> None:
         """``model`` and ``tokenizer``: to name prototypes without a stored label (c-TF-IDF, computed
         on first use and kept)."""
         self.reader, self.model, self.tokenizer = reader, model, tokenizer
@@ -87,6 +87,6 @@ class Catalog:
         """The ``n`` training tokens that activate ``proto_id`` most, with their sequence's tokens."""
         out = []
         for row, act in self.reader.top_contexts(proto_id, n):
-            seq, doc, pos, tokens = self.reader.token_context(row)
+            seq, doc, pos, tokens = token_context(self.reader, row)
             out.append({"seq_id": seq, "pos": pos, "act": act, "doc_id": doc, "token_ids": tokens})
         return out

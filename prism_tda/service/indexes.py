@@ -25,6 +25,7 @@ import torch
 
 from prism_tda.engine import Attribution, Attributor, QueryOptions, QuerySpec, layout
 from prism_tda.engine.layout import IndexManifest
+from prism_tda.engine.reads import token_context
 from prism_tda.errors import PrismError
 from prism_tda.model.generate import Generation, generate
 
@@ -162,7 +163,8 @@ def discover_report(att: Attributor, catalog: Catalog, *, topic: dict[str, Any],
                 text_index, pos = int(where[0]), int(where[1])
                 ids, doc = encoded[text_index], None
             else:
-                _, doc, pos, ids = att.reader.token_context(int(where))  # type: ignore[call-overload]
+                assert isinstance(where, int | np.integer)  # a global token row
+                _, doc, pos, ids = token_context(att.reader, int(where))
                 text_index = None
             ctx.append({"act": float(act), "doc_id": doc, "text_index": text_index, **context_text(tok, ids, pos)})
         info = catalog.prototype(d.proto_id) or {}

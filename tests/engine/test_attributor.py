@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from prism_tda.engine import Attributor, FirstStages, QueryOptions, QuerySpec
-from prism_tda.engine.candidates import posting_tokens
-from prism_tda.engine.scoring import _scores, approx_scores, exact_scores
+from prism_tda.engine.candidates import posting_plan, read_postings
+from prism_tda.engine.scoring import approx_scores, exact_scores, score_tokens
 from prism_tda.engine.tokens import run_batch
 from prism_tda.errors import PromptTooLongError, QueryError
 from prism_tda.indexer.run import build_index
@@ -91,7 +91,7 @@ def test_approximate_scores_track_the_exact_ones(att):
     assert np.corrcoef(ap.cos, ex.cos)[0, 1] > 0.9
     # the lookup-table scores are the scores of the decoded token vectors
     data = att.reader.token_data(ex.tok)
-    dec = _scores(ex.tok, data.protos, data.acts, att.reader.token_vectors(ex.tok, data.targets),
+    dec = score_tokens(ex.tok, data.protos, data.acts, att.reader.token_vectors(ex.tok, data.targets),
                   data.self_influence, q.G, pre, exact=False)
     np.testing.assert_allclose(ap.raw, dec.raw, rtol=1e-4, atol=1e-6 * np.abs(dec.raw).max())
     np.testing.assert_allclose(ap.slot_val, dec.slot_val, rtol=1e-3, atol=1e-6 * np.abs(dec.slot_val).max())
@@ -183,7 +183,7 @@ def test_token_stage_reads_under_its_budget_and_adds_candidates(att):
     q = att.encode(QuerySpec("A computer", " is a machine"))
     pre = att.preconditioner()
     for budget in (50, 400, 3000):
-        tok = posting_tokens(att.reader, q.G, pre, FirstStages(row_budget=budget))
+        tok = read_postings(att.reader, posting_plan(att.reader, q.G, pre, FirstStages(row_budget=budget)))
         assert 0 < len(tok) <= budget
     base = att.candidate_sequences(q, 8)
     att_faiss = Attributor.open(att.reader.dir, stages=FirstStages(proto_candidates=0))
@@ -197,17 +197,22 @@ def test_ivf_parts_are_searched_as_one_index(att, tiny_ckpt, tiny_corpus, tmp_pa
     out = tmp_path / "ivf"
     build_index(tiny_ckpt, [tiny_corpus], out, index_cfg(faiss_spec="IVF4,Flat"), progress=False)
     ivf = Attributor.open(out)
-    assert ivf.reader.stacked is not None and len(ivf.reader.shards) > 1
-    assert ivf.reader.stacked.ntotal == ivf.reader.n_seqs == att.reader.n_seqs
+    reader = ivf.local_reader("test")
+    assert reader.stacked is not None and len(reader.shards) > 1
+    assert reader.stacked.ntotal == reader.n_seqs == att.reader.n_seqs
     assert ivf.manifest.calibration.faiss_nprobe == 1
     q = ivf.encode(COMPUTER)
     G = q.G * ivf.preconditioner().inv.sqrt()
-    stacked = ivf.reader.search(G, 20, nprobe=4)
-    flat = att.reader.search(G, 20)
+
+    def search(r, n, nprobe=None):
+        return r.search_embedding(r.query_embedding(G), n, nprobe)[1]
+
+    stacked = search(reader, 20, nprobe=4)
+    flat = search(att.local_reader("test"), 20)
     assert len(stacked) == 20 and stacked[0] == flat[0] and set(stacked) == set(flat)
-    ivf.reader.stacked = None  # shard by shard: the same sequences
-    assert ivf.reader.search(G, 20, nprobe=4).tolist() == stacked.tolist()
-    one = ivf.reader.search(G, 20)  # the index's nprobe: one list of four
+    reader.stacked = None  # shard by shard: the same sequences
+    assert search(reader, 20, nprobe=4).tolist() == stacked.tolist()
+    one = search(reader, 20)  # the index's nprobe: one list of four
     assert 0 < len(one) <= 20
 
 

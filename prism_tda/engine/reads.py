@@ -1,0 +1,166 @@
+"""What the coordinator of a query reads of an index, wherever its shards are held.
+
+:class:`IndexWide` is what every process that serves an index reads itself, in O(1) of the tokens:
+the manifest, the calibration (curvature, codec, posting cells, activation scale), the sketch, the
+global id bases and counts. :class:`Reads` adds the reads of sequences, documents and prototype
+contexts; two classes implement it, held to it by the type checker:
+
+- ``engine.reader.IndexReader``: the shards' files, memory-mapped in this process;
+- ``engine.cluster.RemoteReader``: the shards held by Ray actors, asked and cached.
+
+Everything else a query needs of the shards themselves (token codes, posting lists, FAISS) is the
+shard side's (``engine/shards.py``), which always reads a local ``IndexReader``.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any, Protocol
+
+import numpy as np
+import torch
+
+from prism_tda.errors import PrismError
+
+from . import layout
+from .calibration import IndexCalibration
+from .layout import IndexConfig, IndexManifest
+from .sketch import Sketch, normalise
+
+
+def read_complete_manifest(index_dir: Path) -> IndexManifest:
+    """The manifest of a complete index; a clear error for anything else."""
+    m = layout.read_manifest(index_dir)
+    if m is None or not m.complete:
+        raise PrismError(f"{index_dir}: not a complete index (manifest.json missing or incomplete)")
+    return m
+
+
+class IndexWide:
+    """The index-wide parts of an index, read in every process that serves it."""
+
+    def __init__(self, index_dir: str | Path, W: torch.Tensor) -> None:
+        """``W``: the model's unembedding (the token vectors' exact part, ``engine/codec.py``)."""
+        t0 = time.perf_counter()
+        self.dir = Path(index_dir)
+        self.manifest = read_complete_manifest(self.dir)
+        self.cfg: IndexConfig = self.manifest.config
+        self.calib = IndexCalibration.load(self.dir / layout.CALIBRATION)
+        self.curv = self.calib.curvature
+        self.codec = self.calib.codec(W)
+        self.mean_eig = float(self.curv.damping) / self.cfg.damping  # the damping unit
+        self.act_table = self.calib.act_table()
+        self.sketch = Sketch(self.n_prototypes, self.curv.u_dim, self.cfg.embed_dim, self.cfg.sketch_buckets,
+                             self.cfg.seed)
+        self.n_cells = self.calib.cells.shape[0]
+        self.tok_base, self.seq_base, self.doc_base = self.manifest.bases()
+        self.n_tokens, self.n_seqs, self.n_docs = int(self.tok_base[-1]), int(self.seq_base[-1]), int(self.doc_base[-1])
+        self.nprobe = self.manifest.calibration.faiss_nprobe if self.manifest.calibration else 1
+        self.shard_of_unit = np.zeros(max((s.unit for s in self.manifest.shards), default=0) + 1, dtype=np.int64)
+        self.shard_of_unit[[s.unit for s in self.manifest.shards]] = np.arange(len(self.manifest.shards))
+        self.k = int(self.manifest.model.get("n_active", self.manifest.model.get("top_k", 8)))
+        self.load_seconds = time.perf_counter() - t0
+
+    @property
+    def n_prototypes(self) -> int:
+        return self.curv.lam.shape[0]
+
+    def inv(self, damping: float) -> torch.Tensor:
+        """(K, d) diagonal of (H_i + damping * mean_eig * I)^{-1} in the Q basis."""
+        return 1.0 / (self.curv.lam + damping * self.mean_eig)
+
+    def query_embedding(self, G_pre: torch.Tensor) -> np.ndarray:
+        """(1, D) the normalised sketch embedding of the preconditioned query columns ``G_pre`` (K, d)."""
+        K = G_pre.shape[0]
+        return normalise(self.sketch.embed_rows(torch.zeros(K, dtype=torch.long), torch.arange(K), G_pre, 1).numpy())
+
+    def stored_list_sizes(self) -> np.ndarray | None:
+        """(K * cells,) entries of each (prototype, cell) posting list over every shard, as the reduce
+        wrote them (``post_sizes.npy``); None for an index without the file (or a stale one)."""
+        path = self.dir / layout.POST_SIZES
+        if path.is_file():
+            sizes = np.load(path)
+            if len(sizes) == self.n_prototypes * self.n_cells:
+                return sizes
+        return None
+
+
+class Reads(Protocol):
+    """The reads of an index the coordinator of a query makes: its index-wide parts, and sequences,
+    documents and prototype contexts by global id."""
+
+    dir: Path
+    manifest: IndexManifest
+    cfg: IndexConfig
+    curv: Any
+    codec: Any
+    calib: IndexCalibration
+    n_cells: int
+    act_table: np.ndarray
+    n_tokens: int
+    n_seqs: int
+    n_docs: int
+    tok_base: np.ndarray
+    seq_base: np.ndarray
+    doc_base: np.ndarray
+    nprobe: int
+    k: int
+    load_seconds: float
+
+    @property
+    def n_prototypes(self) -> int: ...
+
+    @property
+    def list_sizes(self) -> np.ndarray:
+        """(K * cells,) entries of each (prototype, cell) posting list over every shard."""
+        ...
+
+    def inv(self, damping: float) -> torch.Tensor: ...
+
+    def query_embedding(self, G_pre: torch.Tensor) -> np.ndarray: ...
+
+    def prefetch(self, seqs: np.ndarray, ctx: Any = None) -> None:
+        """Say which sequences are read next (a reader of shards held elsewhere fetches them at once)."""
+        ...
+
+    def seq_of_tokens(self, tok: np.ndarray) -> np.ndarray:
+        """The sequence of each global token row."""
+        ...
+
+    def doc_of_seqs(self, seqs: np.ndarray) -> np.ndarray:
+        """The document of each global sequence id."""
+        ...
+
+    def trained(self, docs: np.ndarray) -> np.ndarray:
+        """Whether the checkpoint trained on each of the global document ids ``docs``."""
+        ...
+
+    def seq_span(self, seq: int) -> tuple[int, int, int]:
+        """(first global token row, end row, start position in its document) of one sequence."""
+        ...
+
+    def sequence_tokens(self, seq: int) -> tuple[list[int], list[int]]:
+        """(input tokens, targets) of one sequence, as the model saw them."""
+        ...
+
+    def document(self, doc: int) -> dict:
+        """One document's record (``KeyError`` for an id that does not exist)."""
+        ...
+
+    def external_id(self, doc: int) -> str: ...
+
+    def top_contexts(self, proto: int, n: int) -> list[tuple[int, float]]:
+        """The ``n`` training tokens (global row, activation) that activate ``proto`` most."""
+        ...
+
+    def close(self) -> None: ...
+
+
+def token_context(reader: Reads, row: int) -> tuple[int, int, int, list[int]]:
+    """(sequence, document, position in the sequence, the sequence's input tokens) of one global token
+    row: where a context shown for a token comes from."""
+    seq = int(reader.seq_of_tokens(np.array([row]))[0])
+    lo, _, _ = reader.seq_span(seq)
+    tokens, _ = reader.sequence_tokens(seq)
+    return seq, int(reader.doc_of_seqs(np.array([seq]))[0]), int(row) - lo, tokens
