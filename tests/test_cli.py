@@ -98,7 +98,7 @@ def test_serve_names_a_missing_index_in_one_line(tmp_path, capsys):
 
 
 def test_demo_serve_and_sql_share_one_state_directory(index, tmp_path, monkeypatch, capsys):
-    from prism_tda.cli import _index_args, default_state_dir
+    from prism_tda.cli import default_state_dir, index_args
     from prism_tda.service import Settings
     from prism_tda.service.state import StateDB
 
@@ -106,7 +106,7 @@ def test_demo_serve_and_sql_share_one_state_directory(index, tmp_path, monkeypat
     monkeypatch.delenv("PRISM_STATE_DIR", raising=False)
     assert Settings().state_dir.resolve() == default_state_dir().resolve()
     # an audit stored by a server started from this directory with the defaults ...
-    (name, _), = _index_args([str(index)]).items()
+    (name, _), = index_args([str(index)]).items()
     state = StateDB(Settings().state_dir)
     job, _ = state.create_job(name, {}, [{"prompt": "A", "completion": " b"}], principal="local",
                               idempotency_key=None, req_hash="h")

@@ -93,9 +93,7 @@ class QueryEncoder:
             raise QueryError("prompt: is empty (no tokens)")
         if n > ctx:
             raise PromptTooLongError(f"prompt: {n} tokens; the model's context is {ctx}")
-        if spec.completion is not None:
-            if spec.max_new_tokens is not None:
-                raise QueryError("give either completion or max_new_tokens, not both")
+        if spec.completion is not None:  # (never with max_new_tokens: QuerySpec refuses both)
             if not tokens.completion:
                 raise QueryError("completion: is empty (no tokens)")
             if n + len(tokens.completion) > ctx + 1:

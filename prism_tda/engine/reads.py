@@ -31,9 +31,13 @@ from .sketch import Sketch, normalise
 
 def read_complete_manifest(index_dir: Path) -> IndexManifest:
     """The manifest of a complete index; a clear error for anything else."""
+    if not Path(index_dir).is_dir():
+        raise PrismError(f"{index_dir}: does not exist; build an index there with `prism index --checkpoint RUN "
+                         f"--out {index_dir}` (or `prism demo` for runs/demo/index)")
     m = layout.read_manifest(index_dir)
     if m is None or not m.complete:
-        raise PrismError(f"{index_dir}: not a complete index (manifest.json missing or incomplete)")
+        raise PrismError(f"{index_dir}: not a complete index (manifest.json missing or incomplete); run the "
+                         "`prism index` command that writes it (again, to finish it)")
     return m
 
 

@@ -5,7 +5,11 @@ built from them (their attribute docstrings become the API's field descriptions)
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Annotated, Literal
+
+from pydantic import Field
+
+from prism_tda.errors import QueryError
 
 Mode = Literal["fast", "exact"]
 # cosine_match: each target token matched to its best token of the document, the cosines averaged
@@ -22,33 +26,54 @@ class QuerySpec:
     """What to attribute: a prompt plus a target (a given completion, a greedy generation of
     ``max_new_tokens``, or with neither the prompt's own next-token predictions)."""
 
-    prompt: str
-    completion: str | None = None
-    max_new_tokens: int | None = None
-    target_index: int | None = None  # attribute only this target token
+    prompt: Annotated[str, Field(min_length=1, max_length=20_000)]
+    """The prompt text."""
+    completion: Annotated[str | None, Field(min_length=1, max_length=20_000)] = None
+    """The output to attribute. Omit it (and `max_new_tokens`) to attribute the prompt's own next-token
+    predictions."""
+    max_new_tokens: Annotated[int | None, Field(ge=1, le=4096)] = None
+    """Generate this many tokens greedily and attribute them (no `completion`)."""
+    target_index: Annotated[int | None, Field(ge=0, le=100_000)] = None
+    """Attribute only this target token."""
+
+    def __post_init__(self) -> None:
+        if self.completion is not None and self.max_new_tokens is not None:
+            raise QueryError("give either completion or max_new_tokens, not both")
 
 
 @dataclass(frozen=True)
 class QueryOptions:
-    """How to score and what to return (defaults: DESIGN §2's)."""
+    """How to score and what to return (defaults: DESIGN §2's). Every field reaches the engine from
+    HTTP (``/v1/attribute``, audits) and the command line (``prism attribute``) by its own name."""
 
-    n_documents: int = 10
+    n_documents: Annotated[int, Field(ge=1, le=1000)] = 10
+    """Documents to return (at most the server's max_top_k)."""
     mode: Mode = "fast"
-    n_candidates: int = 256  # sequences the fast path asks FAISS for
-    opponents: bool = False  # rank the documents that most oppose the output
-    damping: float | None = None  # x the mean curvature eigenvalue; None: the index's (index.damping)
-    aggregation: Aggregation = "cosine_max"  # how a document's token scores make its score
-    exact_rerank: int = 32  # fast path: documents re-scored exactly by the model before ranking
-    # fast path, best-token aggregations: tokens of each re-ranked sequence re-scored exactly, the best
-    # by their approximate scores first; None: every token (sum aggregations always take every token)
-    exact_tokens: int | None = 16
-    nprobe: int | None = None  # FAISS lists searched (IVF indexes); None: the index's
-    # documents the checkpoint did not train on (its validation split) are left out unless asked for;
-    # every returned document says whether it was trained on
+    """fast: FAISS and posting-list candidates, shortlisted from the stored codes, re-ranked exactly;
+    exact: every training token recomputed by the model (refused past the server's exact_max_tokens)."""
+    n_candidates: Annotated[int, Field(ge=1, le=16_384)] = 256
+    """Candidate sequences the fast path asks FAISS for (at most the server's max_candidates)."""
+    opponents: bool = False
+    """Return the documents that most oppose the output."""
+    damping: Annotated[float | None, Field(gt=0, le=1e6)] = None
+    """Curvature damping, x the mean curvature eigenvalue (default: the index's)."""
+    aggregation: Aggregation = "cosine_max"
+    """How a document's token scores make its score: the best token's cosine (default), the sum of
+    cosines, the best or summed raw influence, or cosine_match: each target token matched to its best
+    token of the document, averaged (a multi-token target matched as a whole)."""
+    exact_rerank: Annotated[int, Field(ge=1, le=1024)] = 32
+    """Fast path: documents re-scored exactly by the model before ranking (at least n_documents are)."""
+    exact_tokens: Annotated[int | None, Field(ge=1, le=4096)] = 16
+    """Fast path, best-token aggregations: tokens of each re-ranked sequence re-scored exactly, the best
+    by their approximate scores first; null: every token (sum aggregations always take every token)."""
+    nprobe: Annotated[int | None, Field(ge=1, le=65_536)] = None
+    """FAISS lists searched (IVF indexes; default: the index's, in its manifest)."""
     include_untrained: bool = False
-    # served from a cluster: answer from the shards that answer when some do not (and say which are
-    # missing) instead of failing the query
+    """Also return documents the checkpoint did not train on (its validation split); each document says
+    `trained`."""
     allow_partial: bool = False
+    """Served from a cluster: when some shards do not answer, return the best documents of the others
+    (`partial: true`, naming the missing shards) instead of failing with `shard-unavailable`."""
 
 
 @dataclass

@@ -88,7 +88,7 @@ class Services:
         finally:
             self.sql_limiter.release()
 
-    def check_limits(self, *, where: str = "", top_k: int | None = None, max_new_tokens: int | None = None,
+    def check_limits(self, *, where: str = "", max_new_tokens: int | None = None,
                      n_items: tuple[str, int] | None = None, options: QueryOptions | None = None,
                      context: int | None = None) -> None:
         """Refuse a request over the server's limits, naming the field (``where`` prefixes it).
@@ -107,8 +107,9 @@ class Services:
                 shown = options.exact_tokens if options.exact_tokens is not None else f"null (the context, {context})"
                 raise problems.InvalidRequest(f"{where}exact_rerank x exact_tokens: {options.exact_rerank} x {shown} "
                                               f"tokens re-scored is over the server's limit of {s.max_rerank_tokens}")
-        if top_k is not None and top_k > s.max_top_k:
-            raise problems.InvalidRequest(f"{where}top_k: {top_k} is over the server's limit of {s.max_top_k}")
+        if options is not None and options.n_documents > s.max_top_k:
+            raise problems.InvalidRequest(f"{where}n_documents: {options.n_documents} is over the server's limit of "
+                                          f"{s.max_top_k}")
         if max_new_tokens is not None and max_new_tokens > s.max_new_tokens:
             raise problems.InvalidRequest(f"{where}max_new_tokens: {max_new_tokens} is over the server's limit of "
                                           f"{s.max_new_tokens}")

@@ -20,18 +20,18 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 
-from prism_tda.engine import Attribution, Attributor, QueryOptions, QuerySpec, layout
+from prism_tda.engine import Attribution, Attributor, QueryOptions, QuerySpec
+from prism_tda.engine.catalog import Catalog
+from prism_tda.engine.discovery import context_text, discover_report
 from prism_tda.engine.layout import IndexManifest
-from prism_tda.engine.reads import token_context
+from prism_tda.engine.reads import read_complete_manifest
 from prism_tda.errors import PrismError
 from prism_tda.model.generate import Generation, generate
 
 from . import problems
-from .catalog import Catalog
-from .settings import Settings, parse_bytes
+from .settings import Settings
 from .sqlengine import TABLES
 from .sqlpool import SqlLimits, SqlPool
 
@@ -51,7 +51,7 @@ class LoadedIndex:
     def load(cls, name: str, index_dir: Path, settings: Settings) -> LoadedIndex:
         t0 = time.perf_counter()
         att = Attributor.open(index_dir, exact_token_limit=settings.exact_max_tokens, cluster=settings.cluster())
-        sql = SqlPool(index_dir, sql_limits(settings), settings.state_dir / "state.sqlite3")
+        sql = SqlPool(index_dir, SqlLimits.from_settings(settings), settings.state_dir / "state.sqlite3")
         ix = cls(name, Path(index_dir), att, Catalog(att.reader, att.model, att.tokenizer), sql, time.perf_counter() - t0)
         log.info("index loaded", extra={"index": name, "dir": str(index_dir), "seconds": round(ix.load_seconds, 2),
                                         "documents": ix.n_documents, "prototypes": ix.n_prototypes})
@@ -134,84 +134,16 @@ def _close_parts(sql: SqlPool, attributor: Attributor) -> None:
     attributor.close()
 
 
-def context_text(tok: Any, ids: list[int], pos: int) -> dict[str, str]:
-    """The token at ``pos`` of ``ids`` and a little of the text around it, as a context is shown."""
-    return {"before": tok.decode(ids[max(0, pos - 12): pos]), "token": tok.decode(ids[pos: pos + 1]),
-            "after": tok.decode(ids[pos + 1: pos + 6])}
-
-
-def discover_report(att: Attributor, catalog: Catalog, *, topic: dict[str, Any], contrast: dict[str, Any] | None,
-                    top_n: int = 20, min_support: int = 5, min_docs: int = 2, smoothing: float = 0.5,
-                    include_untrained: bool = False, contexts: int = 3, measure: str = "activation",
-                    max_tokens: int | None = None, stop: threading.Event | None = None) -> dict[str, Any]:
-    """Prototypes that carry a topic (``engine/steering.py``), with evidence; for the API and the CLI.
-    ``topic``/``contrast``: {"texts": [...]} or {"doc_ids": [...]} (SQL resolved to ids by the caller)."""
-    tok = att.tokenizer
-    ranked, t_mass, c_mass, what = att.discover(
-        topic_texts=topic.get("texts"), topic_docs=topic.get("doc_ids"),
-        contrast_texts=(contrast or {}).get("texts"), contrast_docs=(contrast or {}).get("doc_ids"),
-        include_untrained=include_untrained, n=top_n, min_support=min_support, min_docs=min_docs,
-        smoothing=smoothing, measure=measure, max_tokens=max_tokens, stop=stop)
-    texts = topic.get("texts")
-    encoded = [tok.encode(t).ids for t in texts] if texts is not None else None
-    out = []
-    for d in ranked:
-        ctx = []
-        for act, where in d.contexts[:contexts]:
-            if encoded is not None:
-                assert isinstance(where, tuple)
-                text_index, pos = int(where[0]), int(where[1])
-                ids, doc = encoded[text_index], None
-            else:
-                assert isinstance(where, int | np.integer)  # a global token row
-                _, doc, pos, ids = token_context(att.reader, int(where))
-                text_index = None
-            ctx.append({"act": float(act), "doc_id": doc, "text_index": text_index, **context_text(tok, ids, pos)})
-        info = catalog.prototype(d.proto_id) or {}
-        out.append({"proto_id": d.proto_id, "label": info.get("label"), "score": d.score,
-                    "ratio": float(np.exp(d.score)), "topic_share": d.topic_share,
-                    "topic_support": d.topic_support, "topic_docs": d.topic_docs,
-                    "contrast_support": d.contrast_support, "contexts": ctx})
-    t_src = "texts" if texts is not None else "documents"
-    return {"measure": measure, "topic": {"source": t_src, "tokens": t_mass.n_tokens, "documents": t_mass.n_docs},
-            "contrast": {"source": what, "tokens": c_mass.n_tokens, "documents": c_mass.n_docs},
-            "prototypes": out}
-
-
-def sql_limits(settings: Settings) -> SqlLimits:
-    return SqlLimits(timeout_s=settings.sql_timeout_s, max_rows=settings.sql_max_rows,
-                     max_result_bytes=settings.sql_max_result_bytes,
-                     memory_limit_bytes=parse_bytes(settings.sql_memory_limit), workers=settings.sql_workers,
-                     threads=settings.sql_threads, queue_timeout_s=settings.sql_queue_timeout_s)
-
-
-class IndexMismatch(problems.ServiceError):
-    """The new index version was built from another checkpoint or tokenizer than the served one."""
-
-    kind, status, title = "index-mismatch", 409, "The index was built from another model than the served one"
-
-
-class InvalidIndex(problems.ServiceError):
-    """The directory given for a new index version is not a complete, loadable index."""
-
-    kind, status, title = "invalid-index", 422, "The directory is not a loadable index"
-
-
 # What must stay equal between the served index and its replacement: the model and its tokenizer.
 SWAP_IDENTITY = ("checkpoint_sha256", "tokenizer_sha256")
 
 
 def read_identity(index_dir: Path) -> dict[str, Any]:
     """The manifest identity of a complete index directory, or :class:`InvalidIndex`."""
-    if not index_dir.is_dir():
-        raise InvalidIndex(f"dir: {index_dir} is not a directory")
     try:
-        m = layout.read_manifest(index_dir)
+        return dict(read_complete_manifest(index_dir).identity)
     except (OSError, ValueError, PrismError) as e:
-        raise InvalidIndex(f"dir: {index_dir}/manifest.json cannot be read: {e}") from None
-    if m is None or not m.complete:
-        raise InvalidIndex(f"dir: {index_dir} is not a complete index (manifest.json missing or incomplete)")
-    return dict(m.identity)
+        raise problems.InvalidIndex(f"dir: {e}") from None
 
 
 class Registry:
@@ -251,14 +183,14 @@ class Registry:
             ident = read_identity(target)
             diff = {k: (served[k], ident.get(k)) for k in SWAP_IDENTITY if ident.get(k) != served[k]}
             if diff:
-                raise IndexMismatch(
+                raise problems.IndexMismatch(
                     f"dir: {target} was built from another model than index {name!r} serves "
                     + "; ".join(f"{k}: served {a}, new {b}" for k, (a, b) in diff.items())
                     + ". A swap keeps the model; serve an index of another model under another name or restart.")
             try:
                 new = LoadedIndex.load(name, target, self.settings)
             except PrismError as e:
-                raise InvalidIndex(f"dir: {target} cannot be loaded: {e}") from None
+                raise problems.InvalidIndex(f"dir: {target} cannot be loaded: {e}") from None
             self.indexes = {**self.indexes, name: new}
             # The old version's store closes once no in-flight request holds the old object.
             # (the callback must not hold ``old`` itself, or it would never be collected)

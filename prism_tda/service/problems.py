@@ -93,6 +93,8 @@ CrossOrigin = _kind("CrossOrigin", "cross-origin-request", 403, "A state-changin
 AuditQuota = _kind("AuditQuota", "too-many-audits", 429, "Too many active audits for this key")
 ClientClosed = _kind("ClientClosed", "client-closed-request", 499, "The client closed the request; its work stopped")
 NotReady = _kind("NotReady", "not-ready", 503, "The service is not ready")
+IndexMismatch = _kind("IndexMismatch", "index-mismatch", 409, "The index was built from another model than the served one")
+InvalidIndex = _kind("InvalidIndex", "invalid-index", 422, "The directory is not a loadable index")
 ShardUnavailable = _kind("ShardUnavailable", "shard-unavailable", 503,
                          "Some shards of the index did not answer; try again shortly")
 

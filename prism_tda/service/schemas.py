@@ -2,27 +2,28 @@
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Annotated, Any, Literal
 
-from pydantic import (
-    BaseModel,
-    BeforeValidator,
-    ConfigDict,
-    Field,
-    StrictBool,
-    StringConstraints,
-    model_validator,
-)
+from pydantic import AliasChoices, BaseModel, ConfigDict, Field, StrictBool, create_model, model_validator
 
 from prism_tda.engine.types import (
-    Aggregation,
-    Mode,
-    QueryInfo,
+    Attribution,
     QueryOptions,
     QuerySpec,
-    ScoredDocument,
-    Timings,
-    TokenView,
+)
+
+from .requests import (
+    MAX_LIST,
+    DocId,
+    JFloat,
+    JInt,
+    ProtoId,
+    QueryRequest,
+    SetName,
+    Strict,
+    fields_of,
+    option_fields,
 )
 
 IndexName = Annotated[str | None, Field(None, max_length=200, description="Index to use (default: the server's "
@@ -30,114 +31,23 @@ IndexName = Annotated[str | None, Field(None, max_length=200, description="Index
 Prompt = Annotated[str, Field(min_length=1, max_length=20_000, description="The prompt text.")]
 
 
-def _json_int(v: Any) -> Any:
-    """An integer as JSON Schema has it: a number without a fraction (5 or 5.0), never a boolean or a string."""
-    if isinstance(v, bool) or not isinstance(v, (int, float)) or (isinstance(v, float) and not v.is_integer()):
-        raise ValueError("must be an integer")
-    return int(v)
-
-
-def _json_number(v: Any) -> Any:
-    """A number as JSON Schema has it: never a boolean or a string."""
-    if isinstance(v, bool) or not isinstance(v, (int, float)):
-        raise ValueError("must be a number")
-    return v
-
-
-# Request fields take JSON's own types only (pydantic's lax mode would turn true into 1 and "5" into 5,
-# which the schema refuses): the server accepts exactly what openapi.yaml describes.
-JInt = Annotated[int, BeforeValidator(_json_int)]
-JFloat = Annotated[float, BeforeValidator(_json_number)]
-ProtoId = Annotated[JInt, Field(ge=0, le=2**31 - 1)]
-DocId = Annotated[JInt, Field(ge=0, le=2**31 - 1)]
-SetName = Annotated[str, StringConstraints(pattern=r"^[A-Za-z0-9_.-]{1,64}$")]
-
-
-class Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
-
-MAX_LIST = 10_000  # the longest list any request may carry (the server's own limits are lower)
-
-
-class OneTarget(Strict):
-    """A query's target: ``completion`` or ``max_new_tokens``, never both (not even one of them null), as
-    the schema says (``not: required [completion, max_new_tokens]``)."""
-
-    model_config = ConfigDict(extra="forbid", json_schema_extra={"not": {"required": ["completion", "max_new_tokens"]}})
-
-    @model_validator(mode="before")
-    @classmethod
-    def _one_target(cls, data: Any) -> Any:
-        if isinstance(data, dict) and "completion" in data and "max_new_tokens" in data:
-            raise ValueError("give either completion or max_new_tokens, not both")
-        return data
-
-
 # ---------------------------------------------------------------------------- attribute
-class AttributeRequest(OneTarget):
-    index: IndexName
-    prompt: Prompt
-    completion: str | None = Field(None, min_length=1, max_length=20_000,
-                                   description="The output to attribute. Omit it (and `max_new_tokens`) to "
-                                               "attribute the prompt's own next-token predictions.")
-    max_new_tokens: JInt | None = Field(None, ge=1, le=4096, description="Generate this many tokens greedily "
-                                                                        "and attribute them (no `completion`).")
-    target_index: JInt | None = Field(None, ge=0, le=100_000, description="Attribute only this target token.")
-    top_k: JInt = Field(10, ge=1, le=1000, description="Documents to return (at most the server's max_top_k).")
-    mode: Mode = Field("fast", description="fast: FAISS and posting-list candidates, shortlisted from the stored "
-                                           "codes, re-ranked exactly; exact: every training token recomputed by "
-                                           "the model (refused past the server's exact_max_tokens).")
-    n_candidates: JInt = Field(256, ge=1, le=16_384, description="Candidate sequences the fast path asks FAISS for.")
-    exact_rerank: JInt = Field(32, ge=1, le=1024, description="Fast path: documents re-scored exactly by the model "
-                                                             "before ranking (at least top_k are).")
-    exact_tokens: JInt | None = Field(16, ge=1, le=4096, description="Fast path, best-token aggregations: tokens "
-                                     "of each re-ranked sequence re-scored exactly, the best by their "
-                                     "approximate scores first; null: every token.")
-    nprobe: JInt | None = Field(None, ge=1, le=65_536, description="FAISS lists searched (IVF indexes; default: "
-                                                                  "the index's, in its manifest).")
-    opponents: StrictBool = Field(False, description="Return the documents that most oppose the output.")
-    damping: JFloat | None = Field(None, gt=0, le=1e6, description="Curvature damping, x the mean curvature "
-                                                                  "eigenvalue (default: the index's).")
-    aggregation: Aggregation = Field("cosine_max", description="How a document's token scores make its score: "
-                                                               "the best token's cosine (default), the sum of "
-                                                               "cosines, the best or summed raw influence, or "
-                                                               "cosine_match: each target token matched to its "
-                                                               "best token of the document, averaged (a "
-                                                               "multi-token target matched as a whole).")
-    include_untrained: StrictBool = Field(False, description="Also return documents the checkpoint did not train on "
-                                                       "(its validation split); each document says `trained`.")
-    allow_partial: StrictBool = Field(False, description="Served from a cluster: when some shards do not answer, return "
-                                                   "the best documents of the others (`partial: true`, naming the "
-                                                   "missing shards) instead of 503 `shard-unavailable`.")
-
-    def spec(self) -> QuerySpec:
-        return QuerySpec(self.prompt, self.completion, self.max_new_tokens, self.target_index)
-
-    def options(self) -> QueryOptions:
-        return QueryOptions(n_documents=self.top_k, mode=self.mode, n_candidates=self.n_candidates,
-                            opponents=self.opponents, damping=self.damping, aggregation=self.aggregation,
-                            exact_rerank=self.exact_rerank, exact_tokens=self.exact_tokens, nprobe=self.nprobe,
-                            include_untrained=self.include_untrained, allow_partial=self.allow_partial)
+class AttributeRequest(create_model("AttributeFields", __base__=QueryRequest, index=(IndexName, None),  # type: ignore[misc]
+                                    **fields_of(QuerySpec), **option_fields())):
+    """One query: `QuerySpec` and `QueryOptions` of the engine (``prism_tda.engine.types``)."""
 
 
-
-class AttributeResponse(BaseModel):
+class AttributeResponse(create_model("AttributeResponseFields", index=(str, ...),  # type: ignore[misc]
+                                     **fields_of(Attribution, request=False),
+                                     partial=(bool, Field(False, description="Some shards did not answer (only "
+                                                          "with `allow_partial`): the documents are the best of "
+                                                          "the other shards.")))):
     """The engine's answer (``prism_tda.engine.Attribution``) and the index that gave it."""
 
-    index: str
-    mode: Mode
-    aggregation: Aggregation
-    damping: float = Field(description="The damping used, x the mean curvature eigenvalue.")
-    query: QueryInfo
-    documents: list[ScoredDocument]
-    per_token: list[TokenView]
-    timings_ms: Timings
-    tokens_scored: int = Field(description="Training tokens scored (fast: the candidates' tokens, approximately; "
-                                           "exact: every token).")
-    partial: bool = Field(False, description="Some shards did not answer (only with `allow_partial`): the "
-                                             "documents are the best of the other shards.")
-    missing_shards: list[int] = Field(default_factory=list, description="The shards that did not answer.")
+    @classmethod
+    def of(cls, index: str, res: Attribution) -> AttributeResponse:
+        return cls(index=index, partial=res.partial,
+                   **{f.name: getattr(res, f.name) for f in dataclasses.fields(Attribution)})
 
 
 # ---------------------------------------------------------------------------- generate
@@ -148,8 +58,9 @@ class GenerateRequest(Strict):
                                        "server's max_new_tokens; default 32 or that limit when lower).")
     temperature: JFloat = Field(0.0, ge=0.0, le=10.0, description="0: greedy; below 0.001 counts as greedy "
                                                                   "(dividing by it would overflow).")
-    top_k: JInt | None = Field(None, ge=1, le=100_000, description="Sample from the top-k tokens only (a sampling "
-                                                                  "cut-off, not the documents' top_k).")
+    sample_top_k: JInt | None = Field(None, ge=1, le=100_000, validation_alias=AliasChoices("sample_top_k", "top_k"),
+                                      description="Sample from this many most likely tokens only (`top_k`, "
+                                                  "its earlier name, is still accepted).")
     seed: JInt = Field(0, ge=0, le=2**63 - 1)
     suppress: Annotated[list[ProtoId], Field(max_length=MAX_LIST)] | SetName | None = Field(
         None, description="Prototypes that contribute nothing to the logits: a list of ids, or the name of "
@@ -167,30 +78,26 @@ class GenerateResponse(BaseModel):
 
 
 # ---------------------------------------------------------------------------- audits
-class AuditItemIn(OneTarget):
+class AuditItemIn(create_model("AuditItemFields", __base__=QueryRequest, **fields_of(QuerySpec))):  # type: ignore[misc]
+    """One (prompt, output) item: a `QuerySpec`, your id for it, and the prototype set flagging it."""
+
     id: str | None = Field(None, max_length=200, description="Your id for the item (kept in the results).")
-    prompt: Prompt
-    completion: str | None = Field(None, min_length=1, max_length=20_000)
-    max_new_tokens: JInt | None = Field(None, ge=1, le=4096)
     flag: SetName | None = Field(None, description="Prototype set flagging this item (overrides the audit's).")
 
-    def spec(self) -> QuerySpec:
-        return QuerySpec(self.prompt, self.completion, self.max_new_tokens)
 
+class AuditRequest(create_model("AuditFields", __base__=Strict, index=(IndexName, None),  # type: ignore[misc]
+                                **option_fields())):
+    """A batch of items, attributed with one set of `QueryOptions`."""
 
-class AuditRequest(Strict):
-    index: IndexName
     items: list[AuditItemIn] = Field(min_length=1, max_length=MAX_LIST,
                                      description="The (prompt, output) pairs to attribute.")
-    top_k: JInt = Field(10, ge=1, le=1000)
-    mode: Mode = "fast"
-    n_candidates: JInt = Field(256, ge=1, le=16_384)
-    include_untrained: StrictBool = Field(False, description="Also attribute to documents the checkpoint did not train "
-                                                       "on; each result document says `trained`.")
     flag: SetName | None = Field(None, description="Name of a prototype set: items whose target tokens used any "
                                                    "of its prototypes are flagged.")
     flag_prototypes: list[ProtoId] | None = Field(None, max_length=MAX_LIST, description="Prototype ids flagging "
                                                   "items (with `flag`: added to the set).")
+
+    def options(self) -> QueryOptions:
+        return QueryOptions(**{f.name: getattr(self, f.name) for f in dataclasses.fields(QueryOptions)})
 
 
 class AuditJob(BaseModel):

@@ -168,9 +168,11 @@ class Engine:
         self.con, self.timeout_s, self.max_rows, self.max_result_bytes = con, timeout_s, max_rows, max_result_bytes
 
     def run(self, sql: str, audit_results: Callable[[], pa.Table] | None = None,
-            prototype_sets: Callable[[], pa.Table] | None = None) -> tuple[dict[str, Any], bytes]:
+            prototype_sets: Callable[[], pa.Table] | None = None,
+            params: list[Any] | None = None) -> tuple[dict[str, Any], bytes]:
         """(header, rows as one JSON array) for one statement; raises :class:`SqlRefusal`. The state's
-        tables (``audit_results``, ``prototype_sets``) are read when the statement names them."""
+        tables (``audit_results``, ``prototype_sets``) are read when the statement names them;
+        ``params``: the values of the statement's ``$1``, ``$2``, ... (never spliced into its text)."""
         query = check_statement(sql)
         t0 = time.perf_counter()
         # the connection itself (one statement at a time per worker): the shards' Arrow tables are
@@ -185,7 +187,7 @@ class Engine:
                     registered.append(name)
             timer.start()
             # small batches: a batch of wide rows is what the result-size cap has to stop
-            reader = cur.sql(query).limit(self.max_rows + 1).to_arrow_reader(64)
+            reader = cur.sql(query, params=params or None).limit(self.max_rows + 1).to_arrow_reader(64)
             columns = [{"name": f.name, "type": str(f.type)} for f in reader.schema]
             # the column names and types are part of the answer: they count against the result's size
             head = len(json.dumps(columns, ensure_ascii=False).encode())
@@ -282,7 +284,7 @@ def main(argv: list[str] | None = None) -> int:
                 return read_prototype_sets(Path(cfg["state_path"]), index_name=a["index_name"],
                                            principal=a.get("principal"))
         try:
-            header, rows = engine.run(req["sql"], source, sets)
+            header, rows = engine.run(req["sql"], source, sets, req.get("params"))
         except SqlRefusal as e:
             header, rows = {"ok": False, "kind": e.kind, "detail": e.detail}, b""
         write_frame(out, json.dumps(header).encode())

@@ -39,6 +39,7 @@ from typing import Any
 from prism_tda.errors import PrismError
 from prism_tda.procmem import status_bytes
 
+from .settings import Settings, parse_bytes
 from .sqlengine import SqlRefusal
 
 log = logging.getLogger("prism.service.sql")
@@ -126,6 +127,14 @@ class SqlLimits:
     threads: int = 1  # DuckDB threads per worker
     queue_timeout_s: float = 30.0
 
+    @classmethod
+    def from_settings(cls, settings: Settings) -> SqlLimits:
+        """The server's limits (``PRISM_SQL_*``)."""
+        return cls(timeout_s=settings.sql_timeout_s, max_rows=settings.sql_max_rows,
+                   max_result_bytes=settings.sql_max_result_bytes,
+                   memory_limit_bytes=parse_bytes(settings.sql_memory_limit), workers=settings.sql_workers,
+                   threads=settings.sql_threads, queue_timeout_s=settings.sql_queue_timeout_s)
+
 
 class SqlPool:
     """A fixed number of SQL worker processes over one index; :meth:`query` runs one statement."""
@@ -133,11 +142,9 @@ class SqlPool:
     START_TIMEOUT_S = 60.0
 
     def __init__(self, index_dir: Path, limits: SqlLimits, state_path: Path | None = None) -> None:
-        from prism_tda.engine import layout
+        from prism_tda.engine.reads import read_complete_manifest
 
-        m = layout.read_manifest(Path(index_dir))
-        if m is None or not m.complete:
-            raise PrismError(f"{index_dir}: not a complete index (manifest.json missing or incomplete)")
+        read_complete_manifest(Path(index_dir))
         self.limits = limits
         self.share = limits.memory_limit_bytes // limits.workers
         self.config = {
@@ -199,13 +206,14 @@ class SqlPool:
         with self._lock:
             return sum(w.proc.poll() is None for w in self._all)
 
-    def doc_ids(self, sql: str, audit: dict[str, Any] | None = None, *, field: str = "sql") -> list[int]:
+    def doc_ids(self, sql: str, audit: dict[str, Any] | None = None, *, field: str = "sql",
+                params: list[Any] | None = None) -> list[int]:
         """The document ids of one statement whose first column is ``doc_id`` (a document filter):
         :class:`SqlRefusal` as :meth:`query` raises it, ``QueryError`` naming ``field`` for a result of
         another shape."""
         from prism_tda.errors import QueryError
 
-        header, rows = self.query(sql, audit)
+        header, rows = self.query(sql, audit, params)
         cols = [c["name"] for c in header["columns"]]
         if not cols or cols[0] != "doc_id":
             raise QueryError(f"{field}: the first column must be doc_id (got {cols[:3]})")
@@ -214,10 +222,11 @@ class SqlPool:
             raise QueryError(f"{field}: no document ids (or ids that are not integers)")
         return ids
 
-    def query(self, sql: str, audit: dict[str, Any] | None = None) -> tuple[dict[str, Any], bytes]:
+    def query(self, sql: str, audit: dict[str, Any] | None = None,
+              params: list[Any] | None = None) -> tuple[dict[str, Any], bytes]:
         """Run one statement; (header with ``columns`` and ``row_count``, rows as a JSON array).
-        ``audit``: ``{"index_name", "principal"}`` restricting ``audit_results`` (principal None: all).
-        Raises :class:`SqlRefusal` for every refusal and overrun."""
+        ``audit``: ``{"index_name", "principal"}`` restricting ``audit_results`` (principal None: all);
+        ``params``: values of ``$1``, ``$2``, ... Raises :class:`SqlRefusal` for every refusal and overrun."""
         try:
             w = self._idle.get(timeout=self.limits.queue_timeout_s)
         except queue.Empty:
@@ -226,7 +235,7 @@ class SqlPool:
         t0 = time.monotonic()
         healthy = False
         try:
-            w.send(json.dumps({"sql": sql, "audit": audit}).encode())
+            w.send(json.dumps({"sql": sql, "audit": audit, "params": params}).encode())
             head, rows = w.read_frames(2, t0 + 1.5 * self.limits.timeout_s, w.base + self.share)
             healthy = True
         except TimeoutError:

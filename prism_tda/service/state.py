@@ -33,7 +33,7 @@ CREATE TABLE IF NOT EXISTS jobs (
 );
 CREATE TABLE IF NOT EXISTS items (
     job_id TEXT NOT NULL, item_no INTEGER NOT NULL, item_id TEXT, prompt TEXT NOT NULL, completion TEXT,
-    max_new_tokens INTEGER, flag_set TEXT, flag_prototypes TEXT NOT NULL,
+    max_new_tokens INTEGER, target_index INTEGER, flag_set TEXT, flag_prototypes TEXT NOT NULL,
     status TEXT NOT NULL DEFAULT 'pending', attempts INTEGER NOT NULL DEFAULT 0,
     completions INTEGER NOT NULL DEFAULT 0, error TEXT, target_text TEXT, used_prototypes TEXT,
     flagged_prototypes TEXT, documents TEXT, updated_at REAL,
@@ -91,6 +91,8 @@ class StateDB:
             cols = {r["name"] for r in con.execute("PRAGMA table_info(results)")}
             if "trained" not in cols:  # a state database from before the column: results then count as trained
                 con.execute("ALTER TABLE results ADD COLUMN trained INTEGER")
+            if "target_index" not in {r["name"] for r in con.execute("PRAGMA table_info(items)")}:
+                con.execute("ALTER TABLE items ADD COLUMN target_index INTEGER")
 
     @contextmanager
     def _connect(self) -> Iterator[sqlite3.Connection]:
@@ -134,10 +136,11 @@ class StateDB:
                         (job_id, index_name, now, now, json.dumps(params), len(items), principal,
                          idempotency_key, req_hash))
             con.executemany(
-                "INSERT INTO items (job_id, item_no, item_id, prompt, completion, max_new_tokens, flag_set, "
-                "flag_prototypes, updated_at) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                "INSERT INTO items (job_id, item_no, item_id, prompt, completion, max_new_tokens, target_index, "
+                "flag_set, flag_prototypes, updated_at) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
                 [(job_id, n, it.get("id"), it["prompt"], it.get("completion"), it.get("max_new_tokens"),
-                  it.get("flag_set"), json.dumps(it.get("flag_prototypes", [])), now) for n, it in enumerate(items)])
+                  it.get("target_index"), it.get("flag_set"), json.dumps(it.get("flag_prototypes", [])), now)
+                 for n, it in enumerate(items)])
             row = con.execute("SELECT * FROM jobs WHERE id = ?", (job_id,)).fetchone()
         return _job(row), True
 

@@ -7,6 +7,7 @@ an item boundary: :meth:`AuditWorker.stop` lets the item in hand commit, then ta
 
 from __future__ import annotations
 
+import dataclasses
 import fcntl
 import logging
 import os
@@ -22,6 +23,16 @@ from .metrics import Metrics
 from .state import StateDB
 
 log = logging.getLogger("prism.service.audits")
+
+
+def stored_options(params: dict[str, Any]) -> QueryOptions:
+    """An audit's options as stored with it (every ``QueryOptions`` field by its name; audits stored
+    before that kept ``top_k`` and the defaults of the rest)."""
+    names = {f.name for f in dataclasses.fields(QueryOptions)}
+    given = {k: v for k, v in params.items() if k in names}
+    if "top_k" in params and "n_documents" not in given:
+        given["n_documents"] = params["top_k"]
+    return QueryOptions(**given)
 
 
 def outcome(res: Attribution, flag: set[int]) -> dict[str, Any]:
@@ -118,9 +129,8 @@ class AuditWorker:
         ix = self.registry.get(item["index_name"])
         error, result = None, None
         try:
-            res = ix.attribute(QuerySpec(item["prompt"], item["completion"], item["max_new_tokens"]),
-                               QueryOptions(n_documents=p["top_k"], mode=p["mode"], n_candidates=p["n_candidates"],
-                                            include_untrained=bool(p.get("include_untrained", False))))
+            res = ix.attribute(QuerySpec(item["prompt"], item["completion"], item["max_new_tokens"],
+                                         item.get("target_index")), stored_options(p))
             result = outcome(res, set(item["flag_prototypes"] or []))
         except PrismError as e:
             if isinstance(e, ShardUnavailable):  # the cluster, not the item: retried after a pause

@@ -44,9 +44,10 @@ def test_attribute_bad_inputs(client):
     assert_problem(client.post(url, json={"prompt": LONG}), 422, "prompt-too-long", mentions="context is 32")
     assert_problem(client.post(url, json={"prompt": "A", "completion": LONG}), 422, "prompt-too-long")
     assert_problem(client.post(url, json={"prompt": 3}), 422, "validation-error", mentions="prompt")
-    assert_problem(client.post(url, json={"prompt": "A", "top_k": "many"}), 422, "validation-error", mentions="top_k")
-    assert_problem(client.post(url, json={"prompt": "A", "top_k": 500}), 422, "validation-error",
-                   mentions="limit of 100")
+    assert_problem(client.post(url, json={"prompt": "A", "n_documents": "many"}), 422, "validation-error",
+                   mentions="n_documents")
+    assert_problem(client.post(url, json={"prompt": "A", "n_documents": 500}), 422, "validation-error",
+                   mentions="n_documents: 500 is over the server's limit of 100")
     assert_problem(client.post(url, json={"prompt": "A", "mode": "slow"}), 422, "validation-error", mentions="mode")
     assert_problem(client.post(url, json={"prompt": "A", "completion": "b", "max_new_tokens": 2}), 422,
                    "validation-error", mentions="either completion or max_new_tokens")

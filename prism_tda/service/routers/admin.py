@@ -11,7 +11,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from .. import problems as p
 from ..deps import ServicesDep
-from ..indexes import IndexMismatch, InvalidIndex, LoadedIndex
+from ..indexes import LoadedIndex
 
 router = APIRouter(prefix="/admin", tags=["admin"])
 
@@ -47,7 +47,7 @@ def _version(ix: LoadedIndex) -> IndexVersion:
 
 
 @router.post("/indexes/{name}/reload", response_model=ReloadResponse,
-             responses=p.responses(p.UnknownIndex, IndexMismatch, InvalidIndex))
+             responses=p.responses(p.UnknownIndex, p.IndexMismatch, p.InvalidIndex))
 async def reload_index(name: Annotated[str, Path(max_length=200, description="The served index to replace.")],
                        services: ServicesDep, body: ReloadRequest | None = None) -> ReloadResponse:
     """Load a new version of a served index and switch to it without interrupting requests.

@@ -20,13 +20,9 @@ async def attribute(body: AttributeRequest, request: Request, services: Services
     `mode: exact` stops when the client disconnects."""
     ix = services.registry.get(body.index)
     options = body.options()
-    services.check_limits(top_k=body.top_k, max_new_tokens=body.max_new_tokens, options=options,
-                          context=ix.attributor.encoder.context)
+    services.check_limits(max_new_tokens=body.max_new_tokens, options=options, context=ix.attributor.encoder.context)
     if options.mode == "exact":
         res = await services.run_cancellable(request, ix, ix.attribute, body.spec(), options)
     else:
         res = await services.run(ix, ix.attribute, body.spec(), options)
-    return AttributeResponse(index=ix.name, mode=res.mode, aggregation=res.aggregation, damping=res.damping,
-                             query=res.query, documents=res.documents, per_token=res.per_token,
-                             timings_ms=res.timings_ms, tokens_scored=res.tokens_scored, partial=res.partial,
-                             missing_shards=res.missing_shards)
+    return AttributeResponse.of(ix.name, res)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import json
 from typing import Annotated, Any, Literal
@@ -9,7 +10,6 @@ from typing import Annotated, Any, Literal
 import pyarrow.parquet as pq
 from fastapi import APIRouter, Header, Path, Query, Response
 
-from prism_tda.engine import QueryOptions
 from prism_tda.errors import QueryError
 
 from .. import problems as p
@@ -58,9 +58,9 @@ async def create_audit(body: AuditRequest, services: ServicesDep, principal: Pri
     """Submit a batch of (prompt, output) items. The job and its items are stored before the answer
     (202); the background worker attributes them; poll GET /v1/audits/{audit_id} for progress."""
     ix = services.registry.get(body.index)
-    services.check_limits(top_k=body.top_k, n_items=("items", len(body.items)))
+    options = body.options()
+    services.check_limits(n_items=("items", len(body.items)), options=options, context=ix.attributor.encoder.context)
     services.check_limits(n_items=("flag_prototypes", len(body.flag_prototypes or [])))
-    services.check_limits(options=QueryOptions(n_candidates=body.n_candidates))
     if not principal.admin:
         active = await services.io(services.state.active_jobs, principal.id)
         limit = services.settings.max_active_audits_per_key
@@ -84,10 +84,9 @@ async def create_audit(body: AuditRequest, services: ServicesDep, principal: Pri
         except QueryError as e:
             raise p.from_query_error(e, where=f"items[{n}].") from None
         flag = await resolve(it.flag, f"items[{n}].flag") if it.flag else job_flag
-        items.append({"id": it.id, "prompt": it.prompt, "completion": it.completion,
-                      "max_new_tokens": it.max_new_tokens, "flag_set": it.flag or body.flag, "flag_prototypes": flag})
-    params = {"top_k": body.top_k, "mode": body.mode, "n_candidates": body.n_candidates,
-              "include_untrained": body.include_untrained, "flag": body.flag,
+        items.append({**dataclasses.asdict(it.spec()), "id": it.id, "flag_set": it.flag or body.flag,
+                      "flag_prototypes": flag})
+    params = {**dataclasses.asdict(options), "flag": body.flag,
               "flag_prototypes": job_flag}
     req_hash = request_hash(body.model_dump(mode="json") | {"index": ix.name})
     job, created = await services.io(services.state.create_job, ix.name, params, items, principal=principal.id,

@@ -29,7 +29,7 @@ async def generate(body: GenerateRequest, services: ServicesDep, principal: Prin
         services.check_limits(n_items=("suppress", len(ids)))
         ix.check_prototypes(ids, "suppress")
     gen, n_prompt = await services.run(ix, ix.generate, body.prompt, max_new_tokens=n_new,
-                                       temperature=body.temperature, sample_top_k=body.top_k, seed=body.seed,
+                                       temperature=body.temperature, sample_top_k=body.sample_top_k, seed=body.seed,
                                        suppress=ids)
     return GenerateResponse(index=ix.name, completion=gen.text, token_ids=gen.token_ids, n_prompt_tokens=n_prompt,
                             stopped=gen.stopped, suppressed=sorted(set(ids)), suppress_set=set_name)

@@ -58,13 +58,13 @@ export async function render(root, { params }) {
     if (r.completion != null) { completion.value = r.completion; targets.querySelector("input[value=completion]").checked = true; }
     else if (r.max_new_tokens == null) targets.querySelector("input[value=prompt]").checked = true;
     if (r.max_new_tokens != null) nNew.value = r.max_new_tokens;
-    topK.value = r.top_k; mode.value = r.mode; opponents.checked = r.opponents;
+    topK.value = r.n_documents ?? r.top_k; mode.value = r.mode; opponents.checked = r.opponents;
     untrained.checked = !!r.include_untrained;
   }
 
   form.addEventListener("submit", async (e) => {
     e.preventDefault();
-    const req = { prompt: prompt.value, top_k: Number(topK.value), mode: mode.value, opponents: opponents.checked,
+    const req = { prompt: prompt.value, n_documents: Number(topK.value), mode: mode.value, opponents: opponents.checked,
       include_untrained: untrained.checked };
     const which = form.querySelector("input[name=target]:checked").value;
     if (which === "generate") req.max_new_tokens = Number(nNew.value);

@@ -70,7 +70,7 @@ export async function render(root, { args }) {
     e.preventDefault();
     let body;
     try {
-      body = { items: parseJsonl(text.value), top_k: Number(topK.value) };
+      body = { items: parseJsonl(text.value), n_documents: Number(topK.value) };
       const ids = parseIds(flag.value);
       if (ids.length) body.flag_prototypes = ids;
     } catch (err) {

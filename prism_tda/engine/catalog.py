@@ -1,9 +1,9 @@
-"""What the endpoints read besides attribution: documents, prototype rows and their top contexts.
+"""What an index holds besides attribution: documents, prototype rows (with labels) and their top
+contexts, for the service's endpoints and the command line.
 
 Documents come from the shards' Parquet files by row group, top contexts from each shard's
-per-prototype top tokens, both through the engine's reader (memory maps); the prototype table
-(one row per prototype) is small and held in memory. User SQL never runs here
-(``service/sqlpool.py``).
+per-prototype top tokens, both through the reader (``engine/reads.py``); the prototype table
+(one row per prototype) is small and held in memory.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from typing import Any
 import numpy as np
 import pyarrow.parquet as pq
 
-from prism_tda.engine.reads import Reads, token_context
+from .reads import Reads, token_context
 
 ORDERS = {"mass": "mass", "n_tokens": "n_tokens", "proto_id": "proto_id"}
 

@@ -1,0 +1,185 @@
+"""`prism train`, `prism generate` and `prism index`: configs from presets, files and overrides."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+from collections.abc import Collection
+from pathlib import Path
+from typing import Any
+
+from prism_tda import demo_corpus_path
+
+log = logging.getLogger("prism")
+
+# Named starting points for `prism train --preset`; --config and --set override them.
+PRESETS: dict[str, dict[str, dict[str, Any]]] = {
+    # The demo model: trains in a few minutes on 2 CPU cores.
+    "tiny": {
+        "model": {"vocab_size": 4096, "block_size": 128, "n_layer": 4, "n_head": 4, "d_model": 128,
+                  "n_prototypes": 512, "n_active": 8},
+        "train": {"batch_size": 16, "max_steps": 1000, "lr": 2e-3, "min_lr": 2e-4, "warmup_steps": 50,
+                  "eval_every": 250, "ckpt_every": 250, "eval_tokens": 32768},
+    },
+    # The benchmark model of bench/train_throughput.py (d=256, K=1024, k=8).
+    "small": {
+        "model": {"vocab_size": 8192, "block_size": 128, "n_layer": 4, "n_head": 4, "d_model": 256,
+                  "n_prototypes": 1024, "n_active": 8},
+        "train": {"batch_size": 16, "max_steps": 2000, "lr": 1e-3, "min_lr": 1e-4, "warmup_steps": 100},
+    },
+    # GPT-2-small scale, for a GPU.
+    "gpt2-small": {
+        "model": {"vocab_size": 32768, "block_size": 1024, "n_layer": 12, "n_head": 12, "d_model": 768,
+                  "n_prototypes": 8192, "n_active": 8},
+        "train": {"batch_size": 16, "max_steps": 5000, "lr": 6e-4, "min_lr": 6e-5, "warmup_steps": 200},
+    },
+}
+
+
+def _parse_value(raw: str) -> Any:
+    try:
+        return json.loads(raw)
+    except json.JSONDecodeError:
+        return raw
+
+
+def merge_overrides(sections: dict[str, dict[str, Any]], config_file: str | None, sets: list[str], *,
+                     also_ok: Collection[str] = ()) -> dict[str, dict[str, Any]]:
+    """Apply a JSON config file's sections, then ``--set SECTION.NAME=VALUE`` items, to ``sections``."""
+    from prism_tda.errors import ConfigError
+
+    if config_file:
+        try:
+            data = json.loads(Path(config_file).read_text())
+        except (OSError, json.JSONDecodeError) as e:
+            raise ConfigError(f"{config_file}: {e}") from e
+        unknown = set(data) - set(sections) - set(also_ok)
+        if unknown:
+            raise ConfigError(f"{config_file}: unknown section(s) {sorted(unknown)}; use {sorted(sections)}")
+        for name in sections:
+            sections[name].update(data.get(name, {}))
+    for item in sets:
+        key, sep, raw = item.partition("=")
+        section, dot, name = key.partition(".")
+        if not sep or not dot or section not in sections:
+            raise ConfigError(f"--set {item!r}: expected " + " or ".join(f"{k}.NAME=VALUE" for k in sections))
+        sections[section][name] = _parse_value(raw)
+    return sections
+
+
+def build_configs(preset: str, config_file: str | None, sets: list[str], head: str | None = None):
+    from prism_tda.errors import ConfigError
+    from prism_tda.model.config import ModelConfig, TrainConfig
+
+    if preset not in PRESETS:
+        raise ConfigError(f"--preset must be one of {sorted(PRESETS)}, got {preset!r}")
+    merged = merge_overrides({"model": dict(PRESETS[preset]["model"]), "train": dict(PRESETS[preset]["train"])},
+                              config_file, sets, also_ok={"index"})
+    if head is not None:
+        merged["model"]["head"] = head
+    return (ModelConfig.from_dict(merged["model"], where="model config"),
+            TrainConfig.from_dict(merged["train"], where="train config"))
+
+
+def cmd_train(args: argparse.Namespace) -> int:
+    from prism_tda.model.train import Trainer
+
+    model_cfg, train_cfg = build_configs(args.preset, args.config, args.set, args.head)
+    corpus = args.corpus or [demo_corpus_path()]
+    trainer = Trainer(model_cfg, train_cfg, corpus, args.out, tokenizer_path=args.tokenizer,
+                      progress=not args.no_progress, resume=not args.no_resume).setup()
+    try:
+        path = trainer.fit()
+    finally:
+        trainer.close()
+    if trainer.is_main:
+        print(json.dumps({"checkpoint": str(path), **trainer.last_eval}, indent=2))
+    return 0
+
+
+def generate_texts(checkpoint: str, prompts: list[str], max_new_tokens: int, temperature: float,
+              sample_top_k: int | None, seed: int) -> list[str]:
+    from prism_tda.model.checkpoint import load_checkpoint
+    from prism_tda.model.generate import generate
+
+    model, tok, _ = load_checkpoint(checkpoint)
+    return [generate(model, tok, tok.encode(prompt).ids, max_new_tokens, temperature=temperature,
+                     sample_top_k=sample_top_k, seed=seed).text for prompt in prompts]
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    for prompt, text in zip(args.prompt, generate_texts(args.checkpoint, args.prompt, args.max_new_tokens,
+                                                     args.temperature, args.sample_top_k, args.seed), strict=True):
+        print(json.dumps({"prompt": prompt, "completion": text}) if args.json else prompt + text)
+    return 0
+
+
+def cmd_index(args: argparse.Namespace) -> int:
+    from prism_tda.engine.layout import IndexConfig
+    from prism_tda.indexer.estimate import estimate, format_estimate
+    from prism_tda.indexer.run import Indexer
+
+    overrides = merge_overrides({"index": {}}, args.config, args.set, also_ok={"model", "train"})["index"]
+    cfg = IndexConfig.from_dict(overrides, where="index config")
+    ix = Indexer(args.checkpoint, args.corpus or [demo_corpus_path()], args.out, cfg, progress=not args.no_progress)
+    if args.dry_run:
+        est = estimate(ix)
+        print(json.dumps(est, indent=2) if args.json else format_estimate(est))
+        return 0
+    summary = ix.run(workers=args.workers, ray_address=args.ray_address, append=args.append)
+    print(json.dumps(summary, indent=2))
+    return 0
+
+
+
+def register(sub: Any) -> None:
+    t = sub.add_parser("train", help="train a PRISM model (or the dense baseline)",
+                       description="Train a PRISM model. Run under `torchrun --nproc_per_node N` for DDP.")
+    t.add_argument("--corpus", nargs="+", help="JSONL(.gz), Parquet (text column) or folders of .txt "
+                                               "(default: the bundled demo corpus)")
+    t.add_argument("--out", required=True, help="run directory (resumed when it has a checkpoint)")
+    t.add_argument("--preset", default="tiny", help=f"starting config: {', '.join(PRESETS)}")
+    t.add_argument("--config", help="JSON file with 'model' and 'train' sections overriding the preset")
+    t.add_argument("--set", action="append", default=[], metavar="SECTION.NAME=VALUE",
+                   help="override one field, e.g. --set model.d_model=256 --set train.max_steps=500")
+    t.add_argument("--head", choices=["prism", "dense"], help="shortcut for --set model.head=...")
+    t.add_argument("--tokenizer", help="use this tokenizer.json instead of training one")
+    t.add_argument("--no-resume", action="store_true", help="start over even if --out has a checkpoint")
+    t.add_argument("--no-progress", action="store_true", help="no progress bar")
+    t.set_defaults(fn=cmd_train)
+
+    g = sub.add_parser("generate", help="generate text from a checkpoint")
+    g.add_argument("--checkpoint", required=True, help="checkpoint or run directory")
+    g.add_argument("--prompt", nargs="+", required=True)
+    g.add_argument("--max-new-tokens", type=int, default=50)
+    g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    g.add_argument("--sample-top-k", "--top-k", dest="sample_top_k", type=int, default=None,
+                   help="sample from the k most likely tokens only")
+    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--json", action="store_true", help="one JSON object per prompt")
+    g.set_defaults(fn=cmd_generate)
+
+    ix = sub.add_parser("index", help="index a training corpus with a PRISM checkpoint",
+                        description="Run a PRISM model over its training corpus and write a sharded index "
+                                    "(per-token activations and compressed attribution vectors, posting "
+                                    "lists, documents, a FAISS part per shard). Re-running resumes a "
+                                    "partial index; --append adds documents as new shards.")
+    ix.add_argument("--checkpoint", required=True, help="checkpoint or run directory")
+    ix.add_argument("--corpus", nargs="+", help="JSONL(.gz), Parquet or .txt folders (default: the demo corpus)")
+    ix.add_argument("--out", required=True, help="index directory")
+    ix.add_argument("--config", help="JSON file with an 'index' section")
+    ix.add_argument("--set", action="append", default=[], metavar="index.NAME=VALUE",
+                    help="override one field of the index config, e.g. --set index.embed_dim=128")
+    where = ix.add_mutually_exclusive_group()
+    where.add_argument("--workers", type=int, help="run the forward stage on a local Ray cluster of N workers")
+    where.add_argument("--ray-address", help="run the forward stage on this Ray cluster (e.g. ray://head:10001)")
+    ix.add_argument("--append", action="store_true",
+                    help="add the corpus's documents to the existing index --out as new shards (same model, "
+                         "same calibration; the existing shards are left as they are)")
+    ix.add_argument("--dry-run", action="store_true",
+                    help="print estimated disk, indexing memory and time, and serving memory; write nothing")
+    ix.add_argument("--json", action="store_true", help="with --dry-run: print JSON")
+    ix.add_argument("--no-progress", action="store_true")
+    ix.set_defaults(fn=cmd_index)
+
