@@ -11,6 +11,7 @@ import socket
 import sys
 from pathlib import Path
 
+import numpy as np
 import torch
 
 
@@ -41,43 +42,20 @@ def peak_rss_mb() -> float:
 
 
 def index_documents(index_dir: str | Path, columns: list[str]) -> dict[str, list]:
-    """Columns of every document of an index, in global id order, with ``doc_id`` (shards in manifest order)."""
-    import pyarrow.parquet as pq
+    """Columns of every document of an index, in global id order (``engine.reads.document_table``)."""
+    from prism_tda.engine.reads import document_table
 
-    from prism_tda.engine import layout
-
-    m = layout.read_manifest(Path(index_dir))
-    cols = [c for c in columns if c != "doc_id"]
-    out: dict[str, list] = {c: [] for c in cols}
-    for sh in m.shards:
-        t = pq.read_table(layout.shard_dir(Path(index_dir), sh.unit) / "documents.parquet", columns=cols)
-        for c in cols:
-            out[c] += t.column(c).to_pylist()
-    n = sum(sh.n_docs for sh in m.shards)
-    return {"doc_id": list(range(n)), **out} if "doc_id" in columns else out
+    return document_table(Path(index_dir), columns).to_pydict()
 
 
 def index_sequences(index_dir: str | Path) -> dict[str, list]:
     """Every sequence of an index as the model saw it: ``doc_id``, ``token_ids``, ``target_ids``."""
-    import numpy as np
+    from prism_tda.engine.reader import IndexReader
 
-    from prism_tda.engine import layout
-
-    m = layout.read_manifest(Path(index_dir))
-    out: dict[str, list] = {"doc_id": [], "token_ids": [], "target_ids": []}
-    doc0 = 0
-    for sh in m.shards:
-        d = layout.shard_dir(Path(index_dir), sh.unit)
-        tokens = np.load(d / "tokens.npy").astype(np.int64)
-        tok0, last = np.load(d / "seq_tok0.npy"), np.load(d / "seq_last_target.npy").astype(np.int64)
-        seq_doc = np.load(d / "seq_doc.npy")
-        for s in range(sh.n_seqs):
-            t = tokens[tok0[s] : tok0[s + 1]].tolist()
-            out["token_ids"].append(t)
-            out["target_ids"].append(t[1:] + [int(last[s])])
-            out["doc_id"].append(doc0 + int(seq_doc[s]))
-        doc0 += sh.n_docs
-    return out
+    r = IndexReader(index_dir)
+    toks = [r.sequence_tokens(s) for s in range(r.n_seqs)]
+    return {"doc_id": r.doc_of_seqs(np.arange(r.n_seqs)).tolist(), "token_ids": [t for t, _ in toks],
+            "target_ids": [y for _, y in toks]}
 
 
 @contextlib.contextmanager

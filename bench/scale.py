@@ -32,7 +32,6 @@ Writes ``bench/results/scale.json`` and ``docs/img/scale.png`` (with matplotlib 
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import datetime as dt
 import json
 import os
@@ -46,11 +45,11 @@ import numpy as np
 
 from bench._common import finish, served
 from prism_tda.engine import layout
+from prism_tda.indexer.merge import merge_index
 from prism_tda.model.tokenizer import load_tokenizer
 from prism_tda.procmem import status_bytes, tree_bytes
 
-TOP_FILES = ("manifest.json", "calibration.safetensors", "faiss_template.index", "prototypes.parquet",
-             "vocab.parquet", "stats.safetensors")
+TOP_FILES = layout.INDEX_FILES
 
 
 # --------------------------------------------------------------------------- indexes of each size
@@ -70,159 +69,13 @@ def subset_index(real: Path, n_shards: int, out: Path) -> Path:
     return out
 
 
-def _ivf_entries(ivf):
-    """(list, its inverted lists, ids, codes) of every non-empty list of an IVF index (copies)."""
-    import faiss
-
-    il = faiss.downcast_InvertedLists(ivf.invlists)
-    for lst in range(ivf.nlist):
-        n = il.list_size(lst)
-        if n:
-            yield (lst, il, faiss.rev_swig_ptr(il.get_ids(lst), n).copy(),
-                   faiss.rev_swig_ptr(il.get_codes(lst), n * il.code_size).copy())
-
-
-def _reunit_faiss(path: Path, unit: int) -> None:
-    """Rewrite a copied shard's FAISS ids to name its new work unit."""
-    import faiss
-
-    ix = faiss.read_index(str(path))
-    try:
-        ivf = faiss.extract_index_ivf(ix)
-    except RuntimeError:
-        ids = faiss.vector_to_array(ix.id_map)
-        faiss.copy_array_to_vector(layout.faiss_ids(unit, layout.split_faiss_ids(ids)[1]), ix.id_map)
-    else:
-        for lst, il, ids, codes in _ivf_entries(ivf):
-            new = layout.faiss_ids(unit, layout.split_faiss_ids(ids)[1])
-            il.update_entries(lst, 0, len(ids), faiss.swig_ptr(new), faiss.swig_ptr(codes))
-    faiss.write_index(ix, str(path))
-
-
-def merge_shards(real: Path, out_dir: Path, unit: int) -> layout.ShardInfo:
-    """Every shard of ``real`` concatenated into one shard directory under work unit ``unit``: what a
-    build with larger work units stores (a default ``index.shard_bytes`` of 64 MB holds about 23M
-    tokens of this corpus). Row order, ids and posting lists are those of the parts one after the
-    other; within a (prototype, cell) list the parts' entries follow each other (each strongest first).
-    Used for the synthetic sizes only."""
-    import faiss
-    import pyarrow as pa
-    import pyarrow.parquet as pq
-
-    m = layout.read_manifest(real)
-    parts = [layout.shard_dir(real, s.unit) for s in m.shards]
-    infos = m.shards
-    out_dir.mkdir(parents=True)
-    tok_off = np.cumsum([0] + [s.n_tokens for s in infos])
-    seq_off = np.cumsum([0] + [s.n_seqs for s in infos])
-    doc_off = np.cumsum([0] + [s.n_docs for s in infos])
-    sizes: dict[str, int] = {}
-
-    def load(name: str) -> list[np.ndarray]:
-        return [np.load(d / f"{name}.npy") for d in parts]
-
-    for name in ("tokens", "protos", "acts", "codes", "seq_start", "seq_last_target"):
-        sizes[name] = layout.write_array(out_dir / f"{name}.npy", np.concatenate(load(name)))
-    scale = infos[0].self_scale
-    sizes["self"] = layout.write_array(out_dir / "self.npy", np.concatenate(
-        [(a.astype(np.float32) * (s.self_scale / scale)).astype(np.float16) for a, s in zip(load("self"), infos, strict=True)]))
-    sizes["seq_doc"] = layout.write_array(out_dir / "seq_doc.npy", np.concatenate(
-        [a + o for a, o in zip(load("seq_doc"), doc_off, strict=False)]).astype(np.int32))
-    tok0 = [a[:-1] + o for a, o in zip(load("seq_tok0"), tok_off, strict=False)] + [np.array([tok_off[-1]])]
-    sizes["seq_tok0"] = layout.write_array(out_dir / "seq_tok0.npy", np.concatenate(tok0).astype(np.int64))
-    # posting lists: group of every entry, then a stable sort by group keeps each part's order
-    groups, entries = [], []
-    for off_a, tok_a, o in zip(load("post_offsets"), load("post_tokens"), tok_off, strict=False):
-        groups.append(np.repeat(np.arange(len(off_a) - 1), np.diff(off_a.astype(np.int64))))
-        entries.append(tok_a.astype(np.int64) + o)
-    g, e = np.concatenate(groups), np.concatenate(entries)
-    order = np.argsort(g, kind="stable")
-    n_groups = len(load("post_offsets")[0]) - 1
-    sizes["post_tokens"] = layout.write_array(out_dir / "post_tokens.npy", e[order].astype(np.uint32))
-    sizes["post_offsets"] = layout.write_array(out_dir / "post_offsets.npy",
-                                               np.searchsorted(g[order], np.arange(n_groups + 1)).astype(np.uint32))
-    # each prototype's top contexts: the first part's (prototype pages only)
-    top = load("proto_top")[0]
-    sizes["proto_top"] = layout.write_array(out_dir / "proto_top.npy", top)
-    docs = [pq.read_table(d / "documents.parquet") for d in parts]
-    docs = [t.set_column(0, "doc", pa.array(np.asarray(t.column("doc")) + o, pa.int32()))
-            for t, o in zip(docs, doc_off, strict=False)]
-    sizes["documents"] = layout.write_table(out_dir / "documents.parquet", pa.concat_tables(docs),
-                                            row_group_size=layout.DOC_ROW_GROUP)
-    seqs = []
-    for d, so, do, to in zip(parts, seq_off, doc_off, tok_off, strict=False):
-        t = pq.read_table(d / "sequences.parquet")
-        for col, o in (("seq", so), ("doc", do), ("tok0", to)):
-            i = t.schema.get_field_index(col)
-            t = t.set_column(i, t.schema.field(i), pa.array(np.asarray(t.column(col)) + o, t.schema.field(i).type))
-        seqs.append(t)
-    sizes["sequences"] = layout.write_table(out_dir / "sequences.parquet", pa.concat_tables(seqs))
-    # FAISS: the parts' lists, ids renumbered to the merged shard
-    merged = faiss.read_index(str(real / layout.FAISS_TEMPLATE))
-    ivf = faiss.extract_index_ivf(merged)
-    il = faiss.downcast_InvertedLists(ivf.invlists)
-    for d, so in zip(parts, seq_off, strict=False):
-        whole = faiss.read_index(str(d / "faiss.index"))  # kept: the IVF part below points into it
-        part = faiss.extract_index_ivf(whole)
-        for lst, _, ids, codes in _ivf_entries(part):
-            new = layout.faiss_ids(unit, layout.split_faiss_ids(ids)[1] + so)
-            il.add_entries(lst, len(ids), faiss.swig_ptr(new), faiss.swig_ptr(codes))
-        ivf.ntotal += part.ntotal
-    merged.ntotal = ivf.ntotal
-    faiss.write_index(merged, str(out_dir / "faiss.index"))
-    sizes["faiss"] = (out_dir / "faiss.index").stat().st_size
-    if (parts[0] / "stats.safetensors").is_file():  # until the reduce folds them into the index's
-        shutil.copy2(parts[0] / "stats.safetensors", out_dir / "stats.safetensors")
-        sizes["stats"] = (out_dir / "stats.safetensors").stat().st_size
-    info = layout.ShardInfo(unit=unit, n_docs=int(doc_off[-1]), n_seqs=int(seq_off[-1]), n_tokens=int(tok_off[-1]),
-                            self_scale=scale, bytes=sizes, corpus={}, seconds=sum(s.seconds for s in infos))
-    layout.write_shard_info(out_dir, info)
-    return info
-
-
 def synthetic_index(real: Path, copies: int, out: Path) -> Path:
     """``copies`` copies (files copied, not linked) of one shard that merges every real shard."""
-    m = layout.read_manifest(real)
-    done = layout.read_manifest(out) if (out / layout.MANIFEST).exists() else None
-    if done is not None and len(done.shards) == copies:
-        return out
-    if out.exists():
-        shutil.rmtree(out)
-    (out / layout.SHARDS).mkdir(parents=True)
-    for name in TOP_FILES[1:]:
-        shutil.copy2(real / name, out / name)
-    t0 = time.perf_counter()
-    first = merge_shards(real, layout.shard_dir(out, 0), 0)
-    shards = [first]
-    for c in range(1, copies):
-        dst = layout.shard_dir(out, c)
-        shutil.copytree(layout.shard_dir(out, 0), dst)
-        _reunit_faiss(dst / "faiss.index", c)
-        info = dataclasses.replace(first, unit=c)
-        layout.write_shard_info(dst, info)
-        shards.append(info)
-        print(f"synthetic copy {c + 1}/{copies} ({time.perf_counter() - t0:.0f} s)", flush=True)
-    m.shards = shards
-    m.units = [dataclasses.replace(m.units[0], unit=c, file=f"synthetic copy {c}") for c in range(copies)]
-    m.summary = {"synthetic": f"{copies} copies of one shard merging every shard of {real}"}
-    (out / layout.MANIFEST).write_text(json.dumps(m.to_dict(), indent=2))
-    return out
+    return merge_index(real, out, copies, progress=lambda c, dt: print(f"synthetic copy {c}/{copies} ({dt:.0f} s)",
+                                                                       flush=True))
 
 
-def disk_bytes(index: Path) -> dict[str, int]:
-    """Bytes of every file of an index, by file name (shards summed)."""
-    m = layout.read_manifest(index)
-    out: dict[str, int] = {}
-    for sh in m.shards:
-        for name, b in sh.bytes.items():
-            if name == "stats" and not (layout.shard_dir(index, sh.unit) / "stats.safetensors").exists():
-                continue  # folded into the index's statistics and deleted by the reduce
-            out[name] = out.get(name, 0) + int(b)
-        out["shard.json"] = out.get("shard.json", 0) + (layout.shard_dir(index, sh.unit) / "shard.json").stat().st_size
-    for name in (*TOP_FILES, layout.POST_SIZES):
-        if (index / name).exists():
-            out[name.split(".")[0]] = out.get(name.split(".")[0], 0) + (index / name).stat().st_size
-    return out
+disk_bytes = layout.disk_bytes
 
 
 # --------------------------------------------------------------------------- queries
@@ -293,7 +146,6 @@ def overlap_fast_exact(index: Path, queries: list[dict], k: int = 10) -> dict:
     import torch
 
     from prism_tda.engine import Attributor, QueryOptions, QuerySpec
-    from prism_tda.engine.exact import exact_document_scores
 
     torch.set_num_threads(os.cpu_count() or 1)
     att = Attributor.open(index)
@@ -303,7 +155,7 @@ def overlap_fast_exact(index: Path, queries: list[dict], k: int = 10) -> dict:
     fast = [[d.doc_id for d in att.attribute(s, QueryOptions(n_documents=k)).documents] for s in specs]
     fast_s = time.perf_counter() - t0
     t0 = time.perf_counter()
-    exact = exact_document_scores(att.model, att.reader, encoded, att.preconditioner(), progress=True)
+    exact = att.exact_document_scores(encoded, progress=True)
     exact_s = time.perf_counter() - t0
     per_query = []
     for q, f, e in zip(queries, fast, exact, strict=True):

@@ -19,7 +19,6 @@ import torch
 from bench._common import finish
 from bench.scale import held_out_queries, subset_index
 from prism_tda.engine import Attributor, FirstStages, QueryOptions, QuerySpec, layout
-from prism_tda.engine.exact import exact_document_scores
 
 # (name, first stages, query options): the defaults, then one change at a time
 VARIANTS = [
@@ -52,8 +51,7 @@ def main(argv: list[str] | None = None) -> dict:
     att = Attributor.open(ix)
     specs = [QuerySpec(q["prompt"], q["completion"]) for q in qs]
     t0 = time.perf_counter()
-    exact = exact_document_scores(att.model, att.reader, [att.encode(s) for s in specs], att.preconditioner(),
-                                  progress=True)
+    exact = att.exact_document_scores([att.encode(s) for s in specs], progress=True)
     exact_s = time.perf_counter() - t0
     tops = []
     for e in exact:

@@ -28,6 +28,7 @@ import numpy as np
 
 from bench._common import finish, served
 from prism_tda import demo_corpus_path
+from prism_tda.engine import layout
 from prism_tda.model.tokenizer import load_tokenizer
 
 
@@ -101,7 +102,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--out", default="bench/results/service.json")
     args = ap.parse_args(argv)
     index = Path(args.index).resolve()
-    manifest = json.loads((index / "manifest.json").read_text())
+    manifest = json.loads((index / layout.MANIFEST).read_text())
     prompts = prompts_of(Path(manifest["checkpoint"]) / "tokenizer.json", 50)
     n_protos = manifest["model"]["n_prototypes"]
     with served(index, "demo", poll_s=0.2) as (_, url, startup_s):

@@ -101,12 +101,11 @@ def exact_scores_at(work: Path, queries: list[dict], damping: float) -> dict[str
         if all(a in z for a in AGGREGATIONS):
             return {a: z[a] for a in AGGREGATIONS}
     from prism_tda.engine import Attributor, QuerySpec
-    from prism_tda.engine.exact import exact_document_scores
 
     att = Attributor.open(work / "index")
     enc = [att.encode(QuerySpec(q["prompt"], q["completion"])) for q in queries]
     t0 = time.perf_counter()
-    res = exact_document_scores(att.model, att.reader, enc, att.preconditioner(damping), match=True)
+    res = att.exact_document_scores(enc, damping=damping, match=True)
     out = {a: np.stack([r[a] for r in res]).astype(np.float32) for a in AGGREGATIONS}
     np.savez(path, **out)
     print(f"[damping {damping:g}] exact pass {time.perf_counter() - t0:.0f} s", flush=True)

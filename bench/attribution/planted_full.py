@@ -114,8 +114,8 @@ def main(argv: list[str] | None = None) -> dict:
                 row[mode] = rank_of(res[mode], wanted)
             top_f, top_e = set(res["fast"][:10]), set(res["exact"][:10])
             overlaps.append(len(top_f & top_e) / max(len(top_e), 1))
-            seqs = att.candidate_sequences(att.encode(QuerySpec(prompt, f.answer)), args.candidates)
-            cand_docs = {ext[int(d)] for d in att.reader.doc_of_seqs(seqs)}
+            cand_docs = {ext[int(d)] for d in att.candidate_documents(att.encode(QuerySpec(prompt, f.answer)),
+                                                                       args.candidates)}
             cand_recalls.append(len(top_e & cand_docs) / max(len(top_e), 1))
             t1 = time.perf_counter()
             scores = bm25.get_scores((prompt + f.answer).lower().split())

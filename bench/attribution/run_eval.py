@@ -39,6 +39,7 @@ from bench.attribution.planted import make_facts
 from prism_tda import demo_corpus_path
 from prism_tda.cli import build_configs
 from prism_tda.corpus import is_validation
+from prism_tda.engine.layout import MANIFEST
 
 HERE = Path(__file__).resolve().parent
 
@@ -108,90 +109,110 @@ def train(corpus: Path, out: Path, steps: int, tokenizer: Path | None = None) ->
 
 
 # --------------------------------------------------------------------------- methods (each in a child process)
-def _run_method(method: str, work: Path, index_dir: Path, queries: list[dict], candidates: int) -> None:
-    torch.set_num_threads(2)
-    from bench.attribution import baselines
+def _prism_served(work: Path, index_dir: Path, queries: list[dict], candidates: int) -> dict:
+    """The served path alone: open the index, answer fast queries."""
     from prism_tda.engine import Attributor, QueryOptions, QuerySpec
 
-    docs = index_documents(index_dir, ["doc_id", "text"])
-    n_docs = len(docs["doc_id"])
-    out: dict = {"method": method}
     t0 = time.perf_counter()
-    if method == "prism_served":  # the served path alone: open the index, answer fast queries
-        att = Attributor.open(index_dir)
-        out["setup_seconds"] = time.perf_counter() - t0
-        ts = [att.attribute(QuerySpec(q["prompt"], q["completion"]), QueryOptions(n_candidates=candidates))
-              .timings_ms.total / 1e3 for q in queries]
-        out["seconds_per_query"] = float(np.median(ts))
+    att = Attributor.open(index_dir)
+    setup = time.perf_counter() - t0
+    ts = [att.attribute(QuerySpec(q["prompt"], q["completion"]), QueryOptions(n_candidates=candidates))
+          .timings_ms.total / 1e3 for q in queries]
+    return {"setup_seconds": setup, "seconds_per_query": float(np.median(ts))}
+
+
+def _prism(work: Path, index_dir: Path, queries: list[dict], candidates: int) -> dict:
+    """PRISM's fast and exact scores of every document (exact: all queries in one pass), the fast path's
+    agreement with the exact top 10 as its candidate pool widens, and the candidates' recall."""
+    from prism_tda.engine import Attributor, QueryOptions, QuerySpec
+
+    t0 = time.perf_counter()
+    att = Attributor.open(index_dir)
+    out: dict = {"setup_seconds": time.perf_counter() - t0}
+    res: dict[str, list] = {m: [] for m in ("prism_fast", "prism_exact", *PRISM_VARIANTS)}
+    times: dict[str, list[float]] = {"fast": [], "exact": []}
+    top: dict[str, list] = {"fast": [], "exact": []}
+    cand_recall = []
+    specs = [QuerySpec(q["prompt"], q["completion"]) for q in queries]
+    encoded = [att.encode(s) for s in specs]
+    t_ex = time.perf_counter()
+    all_exact = att.exact_document_scores(encoded)
+    times["exact"] = [(time.perf_counter() - t_ex) / len(queries)] * len(queries)  # one pass, shared
+    for spec, qq, exact in zip(specs, encoded, all_exact, strict=True):
+        r = att.attribute(spec, QueryOptions(n_candidates=candidates))
+        times["fast"].append(r.timings_ms.total / 1e3)
+        top["fast"].append([d.doc_id for d in r.documents])
+        s = exact["cosine_max"]
+        best = np.argsort(-s, kind="stable")[:10]
+        top["exact"].append(best[s[best] > 0].tolist())
+        res["prism_fast"].append(att.document_scores(qq, "fast", candidates)["cosine_max"])
+        res["prism_exact"].append(exact["cosine_max"])
+        for v in PRISM_VARIANTS:
+            res[v].append(exact[v.removeprefix("prism_exact_")])
+        cand_docs = set(att.candidate_documents(qq, candidates).tolist())
+        cand_recall.append(len(set(top["exact"][-1]) & cand_docs) / max(len(top["exact"][-1]), 1))
+    for k, v in res.items():
+        np.save(work / f"scores_{k}.npy", np.stack(v).astype(np.float32))
+    out["overlap_by_candidates"] = {}
+    groups = (("all", ("verbatim", "paraphrase", "heldout")), ("facts", ("verbatim", "paraphrase")),
+              ("heldout", ("heldout",)))
+    for nc in (candidates, 2 * candidates, 4 * candidates):
+        ov = [len({d.doc_id for d in att.attribute(spec, QueryOptions(n_candidates=nc)).documents} & set(e))
+              / max(len(e), 1) for spec, e in zip(specs, top["exact"], strict=True)]
+        out["overlap_by_candidates"][nc] = {k: float(np.mean([o for o, q in zip(ov, queries, strict=True)
+                                                               if q["kind"] in kinds])) for k, kinds in groups}
+    return out | {"seconds_per_query_fast": float(np.median(times["fast"])),
+                  "seconds_per_query_exact": float(np.median(times["exact"])),
+                  "top10_fast": top["fast"], "top10_exact": top["exact"], "candidate_recall": cand_recall}
+
+
+def _baseline(method: str, work: Path, index_dir: Path, queries: list[dict], n_docs: int) -> dict:
+    """EK-FAC, TRAK or Bergson: a document's score is the sum over its sequences."""
+    from bench.attribution import baselines
+    from prism_tda.engine import layout
+
+    kw = {"single_queries": 8} if method in ("ekfac", "bergson") else {}
+    r = baselines.score_index(method, index_dir, [(q["prompt_ids"], q["completion_ids"]) for q in queries],
+                              work / f"{method}_store", **kw)
+    per_doc = np.zeros((len(queries), n_docs), dtype=np.float64)
+    for s, d in enumerate(r["seq_doc"]):
+        per_doc[:, d] += r["scores"][:, s]
+    np.save(work / f"scores_{method}.npy", per_doc.astype(np.float32))
+    out = {"setup_seconds": r["fit_seconds"], "score_seconds": r["score_seconds"],
+           "seconds_per_query": r["score_seconds"] / len(queries), "n_train_sequences": len(r["seq_doc"]),
+           "n_params": sum(p.numel() for p in r["model"].parameters())}
+    out |= {k: r[k] for k in ("proj_dim", "single_seconds_per_query", "single_max_abs_diff",
+                              "bytes_per_train_example", "faiss_bytes_per_train_example", "store_dim",
+                              "projection_dim") if k in r}
+    if "bytes_per_train_example" in r:  # the store (and its FAISS index) per training token
+        shards = layout.read_manifest(index_dir).shards
+        per_seq = r["bytes_per_train_example"] + r.get("faiss_bytes_per_train_example", 0)
+        out["bytes_per_token"] = per_seq * sum(s.n_seqs for s in shards) / sum(s.n_tokens for s in shards)
+    return out
+
+
+def _bm25(work: Path, queries: list[dict], texts: list[str]) -> dict:
+    from bench.attribution import baselines
+
+    r = baselines.bm25_scores(texts, [q["prompt"] + q["completion"] for q in queries])
+    np.save(work / "scores_bm25.npy", r["scores"].astype(np.float32))
+    return {"setup_seconds": r["fit_seconds"], "seconds_per_query": r["score_seconds"] / len(queries)}
+
+
+def _run_method(method: str, work: Path, index_dir: Path, queries: list[dict], candidates: int) -> None:
+    torch.set_num_threads(2)
+    docs = index_documents(index_dir, ["doc_id", "text"])
+    if method == "prism_served":
+        out = _prism_served(work, index_dir, queries, candidates)
     elif method == "prism":
-        att = Attributor.open(index_dir)
-        out["setup_seconds"] = time.perf_counter() - t0
-        res = {m: [] for m in ("prism_fast", "prism_exact", *PRISM_VARIANTS)}
-        times = {"fast": [], "exact": []}
-        top = {"fast": [], "exact": []}
-        cand_recall = []
-        # exact: every token of the corpus recomputed by the model, all queries in one pass
-        from prism_tda.engine.exact import exact_document_scores
-
-        encoded = [att.encode(QuerySpec(q["prompt"], q["completion"])) for q in queries]
-        t_ex = time.perf_counter()
-        all_exact = exact_document_scores(att.model, att.reader, encoded, att.preconditioner())
-        times["exact"] = [(time.perf_counter() - t_ex) / len(queries)] * len(queries)  # one pass, shared
-        for q, qq, exact in zip(queries, encoded, all_exact, strict=True):
-            r = att.attribute(QuerySpec(q["prompt"], q["completion"]), QueryOptions(n_candidates=candidates))
-            times["fast"].append(r.timings_ms.total / 1e3)
-            top["fast"].append([d.doc_id for d in r.documents])
-            s = exact["cosine_max"]
-            best = np.argsort(-s, kind="stable")[:10]
-            top["exact"].append(best[s[best] > 0].tolist())
-            fast = att.document_scores(qq, "fast", candidates)
-            res["prism_fast"].append(fast["cosine_max"])
-            res["prism_exact"].append(exact["cosine_max"])
-            for v in PRISM_VARIANTS:
-                res[v].append(exact[v.removeprefix("prism_exact_")])
-            cand_docs = set(att.reader.doc_of_seqs(att.candidate_sequences(qq, candidates)).tolist())
-            cand_recall.append(len(set(top["exact"][-1]) & cand_docs) / max(len(top["exact"][-1]), 1))
-        for k, v in res.items():
-            np.save(work / f"scores_{k}.npy", np.stack(v).astype(np.float32))
-        # agreement of the served path with the exact top-10 as the candidate pool widens
-        out["overlap_by_candidates"] = {}
-        for nc in (candidates, 2 * candidates, 4 * candidates):
-            ov = [len({d.doc_id for d in att.attribute(QuerySpec(q["prompt"], q["completion"]),
-                                                       QueryOptions(n_candidates=nc)).documents} & set(e))
-                  / max(len(e), 1) for q, e in zip(queries, top["exact"], strict=True)]
-            out["overlap_by_candidates"][nc] = {k: float(np.mean([o for o, q in zip(ov, queries, strict=True)
-                                                                   if q["kind"] in kinds]))
-                                                for k, kinds in (("all", ("verbatim", "paraphrase", "heldout")),
-                                                                 ("facts", ("verbatim", "paraphrase")),
-                                                                 ("heldout", ("heldout",)))}
-        out |= {"seconds_per_query_fast": float(np.median(times["fast"])),
-                "seconds_per_query_exact": float(np.median(times["exact"])),
-                "top10_fast": top["fast"], "top10_exact": top["exact"], "candidate_recall": cand_recall}
+        out = _prism(work, index_dir, queries, candidates)
     elif method in ("ekfac", "trak", "bergson"):
-        kw = {"single_queries": 8} if method in ("ekfac", "bergson") else {}
-        r = baselines.score_index(method, index_dir, [(q["prompt_ids"], q["completion_ids"]) for q in queries],
-                                  work / f"{method}_store", **kw)
-        per_doc = np.zeros((len(queries), n_docs), dtype=np.float64)
-        for s, d in enumerate(r["seq_doc"]):  # a document's score = sum over its sequences
-            per_doc[:, d] += r["scores"][:, s]
-        np.save(work / f"scores_{method}.npy", per_doc.astype(np.float32))
-        out |= {"setup_seconds": r["fit_seconds"], "score_seconds": r["score_seconds"],
-                "seconds_per_query": r["score_seconds"] / len(queries), "n_train_sequences": len(r["seq_doc"]),
-                "n_params": sum(p.numel() for p in r["model"].parameters())}
-        out |= {k: r[k] for k in ("proj_dim", "single_seconds_per_query", "single_max_abs_diff",
-                                  "bytes_per_train_example", "faiss_bytes_per_train_example", "store_dim",
-                                  "projection_dim") if k in r}
-        if "bytes_per_train_example" in r:  # the store (and its FAISS index) per training token
-            from prism_tda.engine import layout as store
-
-            shards = store.read_manifest(index_dir).shards
-            per_seq = r["bytes_per_train_example"] + r.get("faiss_bytes_per_train_example", 0)
-            out["bytes_per_token"] = per_seq * sum(s.n_seqs for s in shards) / sum(s.n_tokens for s in shards)
+        out = _baseline(method, work, index_dir, queries, len(docs["doc_id"]))
     elif method == "bm25":
-        r = baselines.bm25_scores(docs["text"], [q["prompt"] + q["completion"] for q in queries])
-        np.save(work / "scores_bm25.npy", r["scores"].astype(np.float32))
-        out |= {"setup_seconds": r["fit_seconds"], "seconds_per_query": r["score_seconds"] / len(queries)}
-    out["peak_rss_mb"] = peak_rss_mb()
+        out = _bm25(work, queries, docs["text"])
+    else:
+        raise ValueError(f"unknown method {method!r}")
+    out = {"method": method, **out, "peak_rss_mb": peak_rss_mb()}
     (work / f"method_{method}.json").write_text(json.dumps(out))
 
 
@@ -283,7 +304,7 @@ def main(argv: list[str] | None = None) -> dict:
         timings["prism_train"] = time.perf_counter() - t0
     index_dir = work / "index"
     t0 = time.perf_counter()
-    if not (index_dir / "manifest.json").exists():
+    if not (index_dir / MANIFEST).exists():
         build_index(ck, [str(train_path)], index_dir, progress=False)
         timings["prism_index"] = time.perf_counter() - t0
     timings_path.write_text(json.dumps(timings))

@@ -33,6 +33,7 @@ import torch
 
 from bench._common import finish, index_documents, peak_rss_mb
 from prism_tda import demo_corpus_path
+from prism_tda.engine.layout import MANIFEST
 
 HERE = Path(__file__).resolve().parent
 
@@ -117,7 +118,7 @@ def main(argv: list[str] | None = None) -> dict:
             for doc in demo[:n]:
                 fh.write(json.dumps(doc) + "\n")
         t0 = time.perf_counter()
-        if not (d / "index" / "manifest.json").exists():
+        if not (d / "index" / MANIFEST).exists():
             build_index(ck, [str(corpus)], d / "index", progress=False)
         index_s = time.perf_counter() - t0
         n_seq = sum(sh.n_seqs for sh in store.read_manifest(d / "index").shards)

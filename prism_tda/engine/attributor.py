@@ -30,6 +30,7 @@ import torch
 from prism_tda.errors import PrismError, QueryError, check_stop
 from prism_tda.model import checkpoint as ckpt
 
+from . import layout
 from .candidates import FirstStages, posting_plan
 from .exact import exhaustive
 from .layout import IndexManifest
@@ -217,7 +218,7 @@ class Attributor:
     def _read_corpus_mass(self) -> PrototypeMass:
         import pyarrow.parquet as pq
 
-        t = pq.read_table(self.reader.dir / "prototypes.parquet", columns=["proto_id", "n_tokens", "mass"])
+        t = pq.read_table(self.reader.dir / layout.PROTOTYPES, columns=["proto_id", "n_tokens", "mass"])
         K = self.model.cfg.n_prototypes
         mass, support = np.zeros(K), np.zeros(K, np.int64)
         ids = t.column("proto_id").to_numpy()
@@ -302,6 +303,19 @@ class Attributor:
         if isinstance(self.shards, LocalShards):
             return self.local_reader("discovery").tokens_of_documents(docs)
         return int(len(docs) * self.reader.n_tokens / max(1, self.reader.n_docs))
+
+    def exact_document_scores(self, queries: list[Query], *, damping: float | None = None, match: bool = False,
+                              progress: bool = False) -> list[dict[Aggregation, np.ndarray]]:
+        """Every document's exact score under each aggregation for many encoded queries, all in one pass
+        of the model over the corpus (``match``: ``cosine_match`` too)."""
+        self._check_exact()
+        with torch.no_grad():
+            return [t.scores(1.0) for t in exhaustive(self.model, self.reader, queries, self.preconditioner(damping),
+                                                      match=match, progress=progress)]
+
+    def candidate_documents(self, q: Query, n_candidates: int = 256, pre: Preconditioner | None = None) -> np.ndarray:
+        """The documents of the fast path's candidate sequences for an encoded query (ascending ids)."""
+        return np.unique(self.reader.doc_of_seqs(self.candidate_sequences(q, n_candidates, pre)))
 
     def document_scores(self, q: Query, mode: Mode = "exact", n_candidates: int = 256,
                         damping: float | None = None, exact_rerank: int = 32,

@@ -14,6 +14,7 @@ from typing import Any
 import numpy as np
 import pyarrow.parquet as pq
 
+from . import layout
 from .reads import Reads, token_context
 
 ORDERS = {"mass": "mass", "n_tokens": "n_tokens", "proto_id": "proto_id"}
@@ -26,7 +27,7 @@ class Catalog:
         self.reader, self.model, self.tokenizer = reader, model, tokenizer
         self._labels: dict[int, str] | None = None
         self._labels_lock = threading.Lock()
-        t = pq.read_table(reader.dir / "prototypes.parquet",
+        t = pq.read_table(reader.dir / layout.PROTOTYPES,
                           columns=["proto_id", "n_tokens", "mass", "mean_act", "top_tokens", "label"])
         self.protos = t.to_pydict()
         self.total_mass = float(np.sum(self.protos["mass"])) or 1.0

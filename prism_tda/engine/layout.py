@@ -58,6 +58,13 @@ SHARDS = "shards"
 CALIBRATION = "calibration.safetensors"
 FAISS_TEMPLATE = "faiss_template.index"
 POST_SIZES = "post_sizes.npy"  # each posting list's entries over every shard (written by the reduce)
+PROTOTYPES, VOCAB, STATS, ESTIMATE = "prototypes.parquet", "vocab.parquet", "stats.safetensors", "estimate.json"
+# a shard's files: its tables, its FAISS part and one .npy per array (array_file)
+DOCUMENTS, SEQUENCES, SHARD_FAISS = "documents.parquet", "sequences.parquet", "faiss.index"
+# the index-wide files (besides the shards and POST_SIZES), the manifest first
+INDEX_FILES = (MANIFEST, CALIBRATION, FAISS_TEMPLATE, PROTOTYPES, VOCAB, STATS)
+ARRAYS = ("tokens", "protos", "acts", "codes", "self", "post_offsets", "post_tokens", "proto_top", "seq_tok0",
+          "seq_doc", "seq_start", "seq_last_target")
 DOC_ROW_GROUP = 128  # documents per Parquet row group written: a document is read by its row group
 
 
@@ -256,6 +263,11 @@ def schemas(vocab_size: int, n_prototypes: int) -> dict[str, pa.Schema]:
     }
 
 
+def array_file(shard: Path, name: str) -> Path:
+    """The file of one of a shard's arrays (``ARRAYS``)."""
+    return shard / f"{name}.npy"
+
+
 def shard_dir(index_dir: Path, unit: int) -> Path:
     return Path(index_dir) / SHARDS / f"u{unit:06d}"
 
@@ -324,3 +336,24 @@ def dir_bytes(path: Path) -> int:
     if path.is_file():
         return path.stat().st_size
     return sum(f.stat().st_size for f in path.rglob("*") if f.is_file()) if path.exists() else 0
+
+
+def disk_bytes(index_dir: Path) -> dict[str, int]:
+    """Bytes of every file of an index, by kind (a shard's file by its name in ``ShardInfo.bytes``, an
+    index-wide file by its stem), shards summed."""
+    m = read_manifest(index_dir)
+    out: dict[str, int] = {}
+    if m is None:
+        return out
+    for sh in m.shards:
+        d = shard_dir(index_dir, sh.unit)
+        for name, b in sh.bytes.items():
+            if name == "stats" and not (d / STATS).exists():
+                continue  # folded into the index's statistics and deleted by the reduce
+            out[name] = out.get(name, 0) + int(b)
+        out["shard"] = out.get("shard", 0) + (d / SHARD_INFO).stat().st_size
+    for name in (*INDEX_FILES, POST_SIZES):
+        if (index_dir / name).exists():
+            stem = name.split(".")[0]
+            out[stem] = out.get(stem, 0) + (index_dir / name).stat().st_size
+    return out

@@ -26,8 +26,6 @@ from .layout import DOC_ROW_GROUP, ShardInfo
 from .reads import IndexWide
 
 DOC_GROUPS_CACHED = 64  # decoded Parquet row groups of documents kept, over every shard
-ARRAYS = ("tokens", "protos", "acts", "codes", "self", "post_offsets", "post_tokens", "proto_top", "seq_tok0",
-          "seq_doc", "seq_start", "seq_last_target")
 
 
 def open_faiss(path: Path):
@@ -58,20 +56,20 @@ class Shard:
 
     def __init__(self, path: Path, info: ShardInfo) -> None:
         self.path, self.info = path, info
-        for name in ARRAYS:
-            f = path / f"{name}.npy"
+        for name in layout.ARRAYS:
+            f = layout.array_file(path, name)
             if not f.is_file():
                 raise PrismError(f"{f}: missing (rebuild the shard: delete {path} and run `prism index` again)")
             setattr(self, name, np.load(f, mmap_mode="r"))
-        self.faiss = open_faiss(path / "faiss.index")
-        self._docs = pq.ParquetFile(path / "documents.parquet")
+        self.faiss = open_faiss(path / layout.SHARD_FAISS)
+        self._docs = pq.ParquetFile(path / layout.DOCUMENTS)
         md = self._docs.metadata  # documents per row group, as written (every group but the last)
         self.group_rows = md.row_group(0).num_rows if md.num_row_groups and md.row_group(0).num_rows else DOC_ROW_GROUP
 
     def close(self) -> None:
         """Let go of the shard's files: its memory maps (each holds a file descriptor), FAISS part and
         Parquet reader. Views still held elsewhere keep their pages until they go."""
-        for name in ARRAYS:
+        for name in layout.ARRAYS:
             self.__dict__.pop(name, None)
         self.faiss = None
         self._docs = None
@@ -111,7 +109,7 @@ class TokenData:
 class IndexReader(IndexWide):
     """The index-wide parts and the shards at some positions, memory-mapped in this process."""
 
-    def __init__(self, index_dir: str | Path, W: torch.Tensor, shards: list[int] | None = None) -> None:
+    def __init__(self, index_dir: str | Path, W: torch.Tensor | None = None, shards: list[int] | None = None) -> None:
         """``W``: the model's unembedding (the token vectors' exact part, ``engine/codec.py``).
         ``shards``: the positions (in the manifest's order) of the shards this reader opens (default:
         all). Ids stay global whichever are open; reading a shard that is not open is an error."""

@@ -44,15 +44,16 @@ def read_complete_manifest(index_dir: Path) -> IndexManifest:
 class IndexWide:
     """The index-wide parts of an index, read in every process that serves it."""
 
-    def __init__(self, index_dir: str | Path, W: torch.Tensor) -> None:
-        """``W``: the model's unembedding (the token vectors' exact part, ``engine/codec.py``)."""
+    def __init__(self, index_dir: str | Path, W: torch.Tensor | None = None) -> None:
+        """``W``: the model's unembedding (the token vectors' exact part, ``engine/codec.py``): needed to
+        score from the stored codes; without it the reads of tokens, sequences and documents work."""
         t0 = time.perf_counter()
         self.dir = Path(index_dir)
         self.manifest = read_complete_manifest(self.dir)
         self.cfg: IndexConfig = self.manifest.config
         self.calib = IndexCalibration.load(self.dir / layout.CALIBRATION)
         self.curv = self.calib.curvature
-        self.codec = self.calib.codec(W)
+        self._codec = self.calib.codec(W) if W is not None else None
         self.mean_eig = float(self.curv.damping) / self.cfg.damping  # the damping unit
         self.act_table = self.calib.act_table()
         self.sketch = Sketch(self.n_prototypes, self.curv.u_dim, self.cfg.embed_dim, self.cfg.sketch_buckets,
@@ -69,6 +70,13 @@ class IndexWide:
     @property
     def n_prototypes(self) -> int:
         return self.curv.lam.shape[0]
+
+    @property
+    def codec(self) -> Any:
+        """The token-vector codec (``engine/codec.py``)."""
+        if self._codec is None:
+            raise PrismError(f"{self.dir}: opened without the model's unembedding; scoring from the codes needs it")
+        return self._codec
 
     def inv(self, damping: float) -> torch.Tensor:
         """(K, d) diagonal of (H_i + damping * mean_eig * I)^{-1} in the Q basis."""
@@ -98,7 +106,6 @@ class Reads(Protocol):
     manifest: IndexManifest
     cfg: IndexConfig
     curv: Any
-    codec: Any
     calib: IndexCalibration
     n_cells: int
     act_table: np.ndarray
@@ -168,3 +175,18 @@ def token_context(reader: Reads, row: int) -> tuple[int, int, int, list[int]]:
     lo, _, _ = reader.seq_span(seq)
     tokens, _ = reader.sequence_tokens(seq)
     return seq, int(reader.doc_of_seqs(np.array([seq]))[0]), int(row) - lo, tokens
+
+
+def document_table(index_dir: Path, columns: list[str]) -> Any:
+    """Columns of every document of an index as one Arrow table, in global id order (``doc_id`` is the
+    global id; shards in manifest order)."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    m = read_complete_manifest(index_dir)
+    cols = [c for c in columns if c != "doc_id"]
+    parts = [pq.read_table(layout.shard_dir(index_dir, sh.unit) / layout.DOCUMENTS, columns=cols) for sh in m.shards]
+    table = pa.concat_tables(parts) if parts else pa.table({c: [] for c in cols})
+    if "doc_id" in columns:
+        table = table.add_column(0, "doc_id", pa.array(np.arange(table.num_rows, dtype=np.int64)))
+    return table.select(columns)

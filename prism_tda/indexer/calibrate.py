@@ -25,7 +25,7 @@ from prism_tda.corpus import CorpusStats, WorkUnit, read_unit
 from prism_tda.engine.calibration import IndexCalibration
 from prism_tda.engine.codec import TokenCodec
 from prism_tda.engine.curvature import CurvatureStats, finalize, fit_basis
-from prism_tda.engine.layout import Calibration, IndexConfig
+from prism_tda.engine.layout import FAISS_TEMPLATE, Calibration, IndexConfig
 from prism_tda.engine.sketch import Sketch, embed_sequences, normalise
 from prism_tda.engine.tokens import run_batch
 from prism_tda.model import PRISM
@@ -180,7 +180,7 @@ def calibrate(model: PRISM, tokenizer: Tokenizer, units: list[WorkUnit], cfg: In
         template.train(normalise(e))
     tmp = out / ".faiss_template.index.tmp"
     faiss.write_index(template, str(tmp))
-    tmp.replace(out / "faiss_template.index")
+    tmp.replace(out / FAISS_TEMPLATE)
     info = Calibration(tokens=s.n_tokens, sequences=len(s.tokens), estimated_tokens=est_tokens, faiss_spec=spec,
                        faiss_nprobe=nprobe, seconds=round(time.perf_counter() - t0, 3))
     log.info("calibrated", extra={"tokens": s.n_tokens, "estimated_corpus_tokens": est_tokens, "faiss": spec})

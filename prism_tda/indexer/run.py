@@ -44,7 +44,7 @@ from .shard import ShardBuilder
 
 log = logging.getLogger(__name__)
 
-SHARD_STATS = "stats.safetensors"  # a shard's additive statistics, until the reduce folds them
+SHARD_STATS = layout.STATS  # a shard's additive statistics, until the reduce folds them
 
 
 class IndexMismatchError(PrismError):
@@ -156,7 +156,7 @@ class Indexer:
         The file records which units it holds (``units``), in the same atomic write as the sums, so a
         run killed anywhere folds every shard exactly once; an append folds only the new shards."""
         mc = self.model.cfg
-        path = self.out / "stats.safetensors"
+        path = self.out / layout.STATS
         total = CurvatureStats(mc.n_prototypes, mc.d_model)
         folded: set[int] = set()
         if path.is_file():
@@ -173,7 +173,7 @@ class Indexer:
                                               "units": units}))
         n_lists = mc.n_prototypes * calib.cells.shape[0]
         layout.write_array(self.out / layout.POST_SIZES, layout.posting_list_sizes(
-            [np.load(layout.shard_dir(self.out, s.unit) / "post_offsets.npy", mmap_mode="r") for s in m.shards],
+            [np.load(layout.array_file(layout.shard_dir(self.out, s.unit), "post_offsets"), mmap_mode="r") for s in m.shards],
             n_lists))
         for s in m.shards:  # folded: the shards' own copies are no longer needed
             (layout.shard_dir(self.out, s.unit) / SHARD_STATS).unlink(missing_ok=True)
@@ -196,11 +196,11 @@ class Indexer:
             "top_tokens": [[text(int(i)) for i in row] for row in sig.tolist()], "label": [None] * K,
             "act_lo": calib.act_lo.numpy(), "act_hi": calib.act_hi.numpy(),
         }, schema=sch["prototypes"])
-        layout.write_table(self.out / "prototypes.parquet", protos)
+        layout.write_table(self.out / layout.PROTOTYPES, protos)
         V = tok.get_vocab_size()
         vocab = pa.Table.from_pydict({"token_id": np.arange(V), "token": [text(i) for i in range(V)]},
                                      schema=sch["vocab"])
-        layout.write_table(self.out / "vocab.parquet", vocab)
+        layout.write_table(self.out / layout.VOCAB, vocab)
 
     # ------------------------------------------------------------------------------ run
     def run(self, *, workers: int | None = None, ray_address: str | None = None, append: bool = False
@@ -224,7 +224,7 @@ class Indexer:
         elif m.complete and m.summary is not None:
             log.info("index already complete", extra={"index": str(self.out)})
             return m.summary
-        est_file = self.out / "estimate.json"
+        est_file = self.out / layout.ESTIMATE
         est = json.loads(est_file.read_text()) if est_file.is_file() else None
         removed = layout.clean_temporaries(self.out)
         if removed:
@@ -272,7 +272,7 @@ class Indexer:
             for name, b in s.bytes.items():
                 if name != "stats":  # folded into the index's statistics and deleted by the reduce
                     by_file[name] = by_file.get(name, 0) + b
-        for f in ("prototypes.parquet", "vocab.parquet", CALIBRATION, FAISS_TEMPLATE, "stats.safetensors"):
+        for f in (layout.PROTOTYPES, layout.VOCAB, CALIBRATION, FAISS_TEMPLATE, layout.STATS):
             by_file[f] = layout.dir_bytes(self.out / f)
         corpus = CorpusStats()
         for s in m.shards:

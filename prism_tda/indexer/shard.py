@@ -26,8 +26,13 @@ from prism_tda.engine.calibration import IndexCalibration
 from prism_tda.engine.curvature import CurvatureStats
 from prism_tda.engine.layout import (
     DOC_ROW_GROUP,
+    DOCUMENTS,
+    SEQUENCES,
+    SHARD_FAISS,
+    STATS,
     IndexConfig,
     ShardInfo,
+    array_file,
     atomic_write_bytes,
     dir_bytes,
     faiss_ids,
@@ -91,8 +96,8 @@ class _Arrays:
             with open(self.tmp[name], "rb+") as fh:
                 os.fsync(fh.fileno())
             del arr
-            os.replace(self.tmp[name], self.out / f"{name}.npy")
-            sizes[name] = (self.out / f"{name}.npy").stat().st_size
+            os.replace(self.tmp[name], array_file(self.out, name))
+            sizes[name] = array_file(self.out, name).stat().st_size
         self.arrays.clear()
         fsync_dir(self.out)
         return sizes
@@ -207,30 +212,30 @@ class ShardBuilder:
         ps, pt = np.concatenate(post_share or [np.zeros(0)]), np.concatenate(post_tok or [np.zeros(0)])
         key = pp.astype(np.int64) * n_cells + pc.astype(np.int64)
         order = np.lexsort((-ps, key))
-        sizes["post_tokens"] = write_array(out / "post_tokens.npy", pt[order].astype(np.uint32))
+        sizes["post_tokens"] = write_array(array_file(out, "post_tokens"), pt[order].astype(np.uint32))
         offsets = np.searchsorted(key[order], np.arange(self.K * n_cells + 1))
-        sizes["post_offsets"] = write_array(out / "post_offsets.npy",
+        sizes["post_offsets"] = write_array(array_file(out, "post_offsets"),
                                             offsets.astype(np.uint32 if len(pt) < 2**32 else np.uint64))
-        sizes["proto_top"] = write_array(out / "proto_top.npy", top.row)
+        sizes["proto_top"] = write_array(array_file(out, "proto_top"), top.row)
         positive = self_raw[self_raw > 0]
         self_scale = float(np.median(positive)) if len(positive) else 1.0
-        sizes["self"] = write_array(out / "self.npy", (self_raw / self_scale).astype(np.float16))
+        sizes["self"] = write_array(array_file(out, "self"), (self_raw / self_scale).astype(np.float16))
         sizes.update(arrays.publish())
         last_target = np.array([y[-1] for y in tgts], dtype=self.tok_dtype)
         for name, arr in (("seq_tok0", tok0), ("seq_doc", np.asarray(seq_doc, np.int32)),
                           ("seq_start", np.asarray(seq_start, np.int32)), ("seq_last_target", last_target)):
-            sizes[name] = write_array(out / f"{name}.npy", arr)
+            sizes[name] = write_array(array_file(out, name), arr)
         seqs = pa.table({"seq": np.arange(n_seq, dtype=np.int32), "doc": np.asarray(seq_doc, np.int32),
                          "start_token": np.asarray(seq_start, np.int32),
                          "n_tokens": np.diff(tok0).astype(np.int16), "tok0": tok0[:-1]}, schema=self.schemas["sequences"])
-        sizes["sequences"] = write_table(out / "sequences.parquet", seqs)
-        sizes["documents"] = write_table(out / "documents.parquet", docs, row_group_size=DOC_ROW_GROUP)
+        sizes["sequences"] = write_table(out / SEQUENCES, seqs)
+        sizes["documents"] = write_table(out / DOCUMENTS, docs, row_group_size=DOC_ROW_GROUP)
         tmp = out / f".faiss.index.tmp-{os.getpid()}"
         faiss.write_index(index, str(tmp))
-        os.replace(tmp, out / "faiss.index")
-        sizes["faiss"] = (out / "faiss.index").stat().st_size
-        atomic_write_bytes(out / "stats.safetensors", st_save({k: v.contiguous() for k, v in stats.tensors().items()}))
-        sizes["stats"] = (out / "stats.safetensors").stat().st_size
+        os.replace(tmp, out / SHARD_FAISS)
+        sizes["faiss"] = (out / SHARD_FAISS).stat().st_size
+        atomic_write_bytes(out / STATS, st_save({k: v.contiguous() for k, v in stats.tensors().items()}))
+        sizes["stats"] = (out / STATS).stat().st_size
         info = ShardInfo(unit=unit.unit, n_docs=docs.num_rows, n_seqs=n_seq, n_tokens=N, self_scale=self_scale,
                          bytes=sizes, corpus=cstats.to_dict(), seconds=round(time.perf_counter() - t_start, 3),
                          stats={"loss_sum": float(stats.scalars[1]), "top_cos_sum": float(stats.scalars[2])})

@@ -55,9 +55,11 @@ def _quote(s: str) -> str:
 
 def _arrow_tokens(shard: Path) -> pa.Table:
     """A shard's per-token arrays as an Arrow table over their memory maps (no copy)."""
-    tokens = np.load(shard / "tokens.npy", mmap_mode="r")
-    protos = np.load(shard / "protos.npy", mmap_mode="r")
-    acts = np.load(shard / "acts.npy", mmap_mode="r")
+    from prism_tda.engine.layout import array_file
+
+    tokens = np.load(array_file(shard, "tokens"), mmap_mode="r")
+    protos = np.load(array_file(shard, "protos"), mmap_mode="r")
+    acts = np.load(array_file(shard, "acts"), mmap_mode="r")
     k = protos.shape[1]
     return pa.table({"token_id": pa.array(tokens),
                      "protos": pa.FixedSizeListArray.from_arrays(pa.array(protos.reshape(-1)), k),
@@ -81,19 +83,19 @@ def open_locked(index_dir: Path, *, memory_limit: str, threads: int) -> duckdb.D
         "autoinstall_known_extensions": False, "autoload_known_extensions": False,
         "python_enable_replacements": False,  # user SQL cannot name Python variables
     })
-    allowed = [index_dir / "prototypes.parquet", index_dir / "vocab.parquet"]
+    allowed = [index_dir / layout.PROTOTYPES, index_dir / layout.VOCAB]
     docs, seqs, toks, acts, bases = [], [], [], [], []
     doc0 = seq0 = tok0 = 0
     for i, sh in enumerate(m.shards):
         d = layout.shard_dir(index_dir, sh.unit)
-        allowed += [d / "documents.parquet", d / "sequences.parquet"]
+        allowed += [d / layout.DOCUMENTS, d / layout.SEQUENCES]
         con.register(f"_tokens_{i}", _arrow_tokens(d))
         docs.append(f"SELECT doc + {doc0} AS doc_id, external_id, source, title, url, text, n_tokens, trained "
-                    f"FROM read_parquet({_quote(str(d / 'documents.parquet'))})")
+                    f"FROM read_parquet({_quote(str(d / layout.DOCUMENTS))})")
         seqs.append(f"SELECT seq + {seq0} AS seq_id, doc + {doc0} AS doc_id, start_token, n_tokens "
-                    f"FROM read_parquet({_quote(str(d / 'sequences.parquet'))})")
+                    f"FROM read_parquet({_quote(str(d / layout.SEQUENCES))})")
         pos = (f"(SELECT seq + {seq0} AS seq_id, doc + {doc0} AS doc_id, unnest(range(n_tokens)) AS pos "
-               f"FROM read_parquet({_quote(str(d / 'sequences.parquet'))})) s POSITIONAL JOIN _tokens_{i} t")
+               f"FROM read_parquet({_quote(str(d / layout.SEQUENCES))})) s POSITIONAL JOIN _tokens_{i} t")
         toks.append(f"SELECT s.seq_id, s.pos, t.token_id, s.doc_id FROM {pos}")
         acts.append(f"SELECT s.seq_id, s.pos, t.token_id, unnest(t.protos) AS proto_id, unnest(t.acts) AS q, "
                     f"s.doc_id FROM {pos}")
@@ -102,8 +104,8 @@ def open_locked(index_dir: Path, *, memory_limit: str, threads: int) -> duckdb.D
     def union(parts: list[str], columns: str) -> str:  # an index without shards: empty, typed tables
         return " UNION ALL ".join(parts) or f"SELECT {columns} WHERE false"
 
-    con.execute(f"CREATE VIEW prototypes AS SELECT * FROM read_parquet({_quote(str(index_dir / 'prototypes.parquet'))})")
-    con.execute(f"CREATE VIEW vocab AS SELECT * FROM read_parquet({_quote(str(index_dir / 'vocab.parquet'))})")
+    con.execute(f"CREATE VIEW prototypes AS SELECT * FROM read_parquet({_quote(str(index_dir / layout.PROTOTYPES))})")
+    con.execute(f"CREATE VIEW vocab AS SELECT * FROM read_parquet({_quote(str(index_dir / layout.VOCAB))})")
     con.execute("CREATE VIEW documents AS " + union(docs, "0::BIGINT AS doc_id, ''::VARCHAR AS external_id, "
                 "''::VARCHAR AS source, ''::VARCHAR AS title, ''::VARCHAR AS url, ''::VARCHAR AS text, "
                 "0::INTEGER AS n_tokens, true AS trained"))

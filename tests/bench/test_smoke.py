@@ -1,0 +1,36 @@
+"""The benchmarks import the package as it is installed and call its public functions: each bench module
+imports, and the helpers the benchmarks share run on the tiny index."""
+
+from __future__ import annotations
+
+import importlib
+import pkgutil
+
+import pytest
+
+import bench
+import bench.attribution
+
+MODULES = sorted({f"bench.{m.name}" for m in pkgutil.iter_modules(bench.__path__)}
+                 | {f"bench.attribution.{m.name}" for m in pkgutil.iter_modules(bench.attribution.__path__)})
+
+
+@pytest.mark.parametrize("name", MODULES)
+def test_bench_module_imports(name):
+    importlib.import_module(name)
+
+
+def test_shared_helpers_run_on_the_tiny_index(index, tmp_path):
+    from bench._common import index_documents, index_sequences
+    from bench.scale import disk_bytes, synthetic_index
+    from prism_tda.engine import Attributor
+
+    seqs = index_sequences(index)
+    docs = index_documents(index, ["doc_id", "external_id"])
+    att = Attributor.open(index)
+    assert len(seqs["token_ids"]) == att.reader.n_seqs and len(docs["doc_id"]) == att.reader.n_docs
+    assert seqs["token_ids"][0][1:] == seqs["target_ids"][0][:-1]
+    syn = synthetic_index(index, 2, tmp_path / "syn")
+    assert Attributor.open(syn).reader.n_tokens == 2 * att.reader.n_tokens
+    sizes = disk_bytes(syn)
+    assert sizes["tokens"] > 0 and sizes["manifest"] > 0
