@@ -69,8 +69,8 @@ class QueryOptions:
     nprobe: Annotated[int | None, Field(ge=1, le=65_536)] = None
     """FAISS lists searched (IVF indexes; default: the index's, in its manifest)."""
     include_untrained: bool = False
-    """Also return documents the checkpoint did not train on (its validation split); each document says
-    `trained`."""
+    """Also return documents the checkpoint did not train on (by its training record: held out, never
+    reached, or not in its corpus); each document says `trained`."""
     allow_partial: bool = False
     """Served from a cluster: when some shards do not answer, return the best documents of the others
     (`partial: true`, naming the missing shards) instead of failing with `shard-unavailable`."""
@@ -119,8 +119,9 @@ class ScoredDocument:
     raw_influence: float
     """Unnormalised prototype-space influence of the best token (breaks ties of ``score``)."""
     trained: bool
-    """Whether the checkpoint trained on this document (False: it is in the trainer's validation
-    split; such documents are returned only with ``include_untrained``)."""
+    """Whether the checkpoint trained on this document, from its training record (False: no training
+    window covered it, or the record does not hold it; such documents are returned only with
+    ``include_untrained``)."""
     seq_id: int
     """The sequence (model-length window) holding the best token."""
     token_row: int

@@ -47,7 +47,8 @@ class _Worker:
         model, tokenizer, _ = ckpt.load_checkpoint(checkpoint, device=device)
         calib = IndexCalibration.load(self.out / CALIBRATION)
         self.builder = ShardBuilder(model, tokenizer, calib, config, self.out / FAISS_TEMPLATE, device=device,
-                                    autocast=autocast_for(device, config.dtype), val_fraction=val_fraction)
+                                    autocast=autocast_for(device, config.dtype), record=ckpt.load_record(checkpoint),
+                                    val_fraction=val_fraction)
 
     def build(self, unit: WorkUnit) -> ShardInfo:
         return self.builder.build(self.out, unit)

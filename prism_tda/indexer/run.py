@@ -84,6 +84,10 @@ class Indexer:
         self.autocast = autocast_for(self.device, self.cfg.dtype)
         train = self.ck_config.get("training", {}).get("train_config") or {}
         self.val_fraction: float | None = train.get("val_fraction")
+        self.record = ckpt.load_record(self.ck_path)
+        if self.record is None:
+            log.warning("the checkpoint has no training record (it predates them): whether a document was "
+                        "trained on is inferred from its validation split", extra={"checkpoint": str(self.ck_path)})
 
     # ------------------------------------------------------------------------------ manifest
     def _open_manifest(self, *, append: bool = False) -> IndexManifest:
@@ -120,7 +124,8 @@ class Indexer:
 
     def builder(self, calib: IndexCalibration) -> ShardBuilder:
         return ShardBuilder(self.model, self.tokenizer, calib, self.cfg, self.out / FAISS_TEMPLATE,
-                            device=self.device, autocast=self.autocast, val_fraction=self.val_fraction)
+                            device=self.device, autocast=self.autocast, record=self.record,
+                            val_fraction=self.val_fraction)
 
     def _pending(self, m: IndexManifest) -> list[WorkUnit]:
         """Units without a complete shard; shards completed but not yet in the manifest (a run killed
@@ -285,6 +290,9 @@ class Indexer:
         return {
             "documents": m.documents, "sequences": m.sequences, "tokens": n_tok, "shards": len(m.shards),
             "bad_records": corpus.n_bad, "bad_by_reason": dict(corpus.bad),
+            "trained_documents": sum(int(s.corpus.get("trained_documents", 0)) for s in m.shards),
+            "outside_record": sum(int(s.corpus.get("outside_record", 0)) for s in m.shards),
+            "trained_from": "record" if self.record is not None else "validation split (no training record)",
             "bytes": by_file, "total_bytes": sum(by_file.values()),
             "bytes_per_token": {k: v / max(n_tok, 1) for k, v in by_file.items()},
             "total_bytes_per_token": sum(by_file.values()) / max(n_tok, 1),

@@ -47,6 +47,7 @@ from prism_tda.engine.sketch import Sketch, embed_sequences, normalise
 from prism_tda.engine.tokens import run_batch
 from prism_tda.fsutil import fsync_dir
 from prism_tda.model import PRISM
+from prism_tda.model.record import TrainingRecord, document_key
 from prism_tda.model.tokenizer import eos_id
 
 from .calibrate import windows
@@ -108,10 +109,15 @@ class ShardBuilder:
 
     def __init__(self, model: PRISM, tokenizer: Tokenizer, calib: IndexCalibration, cfg: IndexConfig,
                  faiss_template: Path, *, device: torch.device | str = "cpu",
-                 autocast: contextlib.AbstractContextManager | None = None, val_fraction: float | None = None) -> None:
+                 autocast: contextlib.AbstractContextManager | None = None, record: TrainingRecord | None = None,
+                 val_fraction: float | None = None) -> None:
+        """``record``: the checkpoint's training record, which says whether each document was trained on
+        (``model/record.py``); a checkpoint without one falls back to its validation split
+        (``val_fraction``), as indexes built before records did."""
         self.model, self.tokenizer, self.calib, self.cfg = model, tokenizer, calib, cfg
         self.faiss_template = Path(faiss_template)
         self.device, self.autocast, self.val_fraction = device, autocast, val_fraction
+        self.record = record
         mc = model.cfg
         self.K, self.d, self.k = mc.n_prototypes, mc.d_model, mc.n_active
         self.codec = calib.codec(model.W)
@@ -128,6 +134,14 @@ class ShardBuilder:
         """The unit's documents table and windows (tokens, targets, document, start)."""
         stats = CorpusStats()
         docs = list(read_unit(unit, stats))
+        if self.record is not None:
+            seen, held = self.record.lookup(np.array([document_key(d.doc_id, d.text) for d in docs], np.int64))
+            trained_of = (seen > 0).tolist()
+            self.outside_record = int((~held).sum())
+        else:
+            trained_of = [True if self.val_fraction is None else not is_validation(d.doc_id, self.val_fraction)
+                          for d in docs]
+            self.outside_record = 0
         eos = eos_id(self.tokenizer)
         block, stride = self.model.cfg.block_size, self.cfg.stride or self.model.cfg.block_size
         cols: dict[str, list] = {f.name: [] for f in self.schemas["documents"]}
@@ -137,7 +151,7 @@ class ShardBuilder:
             for j, (doc, enc) in enumerate(zip(chunk, self.tokenizer.encode_batch([d.text for d in chunk]),
                                                strict=True)):
                 ids = enc.ids or [eos]
-                trained = True if self.val_fraction is None else not is_validation(doc.doc_id, self.val_fraction)
+                trained = trained_of[c0 + j]
                 for k, v in (("doc", c0 + j), ("external_id", doc.doc_id), ("source", doc.source),
                              ("title", doc.title), ("url", doc.url), ("text", doc.text), ("n_tokens", len(ids)),
                              ("trained", trained)):
@@ -237,7 +251,9 @@ class ShardBuilder:
         atomic_write_bytes(out / STATS, st_save({k: v.contiguous() for k, v in stats.tensors().items()}))
         sizes["stats"] = (out / STATS).stat().st_size
         info = ShardInfo(unit=unit.unit, n_docs=docs.num_rows, n_seqs=n_seq, n_tokens=N, self_scale=self_scale,
-                         bytes=sizes, corpus=cstats.to_dict(), seconds=round(time.perf_counter() - t_start, 3),
+                         bytes=sizes, corpus={**cstats.to_dict(), "trained_documents": int(docs["trained"].to_numpy().sum()),
+                                              "outside_record": self.outside_record},
+                         seconds=round(time.perf_counter() - t_start, 3),
                          stats={"loss_sum": float(stats.scalars[1]), "top_cos_sum": float(stats.scalars[2])})
         write_shard_info(out, info)
         assert dir_bytes(out) > 0

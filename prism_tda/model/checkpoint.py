@@ -28,6 +28,7 @@ from prism_tda.fsutil import atomic_write_bytes, fsync_dir
 
 from .config import ModelConfig
 from .model import PRISM
+from .record import RECORD, TrainingRecord
 from .tokenizer import load_tokenizer
 
 FORMAT = "prism-tda-checkpoint"
@@ -73,8 +74,10 @@ def save_checkpoint(
     optimizer: torch.optim.Optimizer | None = None,
     trainer_state: dict[str, Any] | None = None,
     trainer_tensors: dict[str, torch.Tensor] | None = None,
+    record: TrainingRecord | None = None,
 ) -> Path:
-    """Write a checkpoint directory atomically and return its path."""
+    """Write a checkpoint directory atomically and return its path. ``record``: the documents the run
+    trained on up to this checkpoint (``model/record.py``), listed and hashed with the weights."""
     path = Path(path)
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     if tmp.exists():
@@ -88,6 +91,9 @@ def save_checkpoint(
         tensors.update({f"trainer.{k}": v.contiguous().cpu() for k, v in (trainer_tensors or {}).items()})
         save_file(tensors, str(tmp / OPTIMIZER))
         _write_json(tmp / TRAINER_STATE, {**(trainer_state or {}), "optimizer": meta})
+    files = [WEIGHTS, TOKENIZER]
+    if record is not None:
+        files.append(record.save(tmp).name)
     config = {
         "format": FORMAT,
         "format_version": FORMAT_VERSION,
@@ -95,8 +101,10 @@ def save_checkpoint(
         "n_params": model.num_params(),
         "tokenizer": {"file": TOKENIZER, "vocab_size": tokenizer.get_vocab_size()},
         "training": training or {},
-        "files": {name: sha256_file(tmp / name) for name in (WEIGHTS, TOKENIZER)},
+        "files": {name: sha256_file(tmp / name) for name in files},
     }
+    if record is not None:
+        config["training_record"] = {"file": RECORD, **record.summary()}
     _write_json(tmp / CONFIG, config)
     fsync_dir(tmp)
     if path.exists():
@@ -201,3 +209,11 @@ def _flatten_optimizer(optimizer: torch.optim.Optimizer) -> tuple[dict[str, torc
             t = value if torch.is_tensor(value) else torch.tensor(value)
             tensors[f"state.{idx}.{name}"] = t.detach().contiguous().cpu()
     return tensors, {"param_groups": sd["param_groups"]}
+
+
+def load_record(path: str | Path) -> TrainingRecord | None:
+    """The training record of a checkpoint (or a run's newest), None for a checkpoint without one."""
+    path = resolve(path)
+    config = read_config(path)
+    return TrainingRecord.load(path, {k: v for k, v in config.get("training_record", {}).items()
+                                      if k in ("corpus_fingerprint", "corpus_files")})

@@ -19,6 +19,7 @@ from tqdm.auto import tqdm
 
 from prism_tda.corpus import CorpusStats, Document, is_validation, read_corpus
 
+from .record import document_key, window_starts
 from .tokenizer import eos_id
 
 log = logging.getLogger(__name__)
@@ -29,6 +30,8 @@ class TokenData:
     train: np.ndarray  # (n_train_tokens,) int32
     val: np.ndarray  # (n_val_tokens,) int32
     stats: dict
+    doc_keys: np.ndarray  # (n_train_docs,) int64: each training document's key (model/record.py), stream order
+    doc_start: np.ndarray  # (n_train_docs,) int64: where each one begins in ``train``
 
     @property
     def n_train_tokens(self) -> int:
@@ -44,8 +47,10 @@ def split_documents(corpus: list[str], val_fraction: float) -> tuple[list[Docume
     return train, val, stats
 
 
-def encode_stream(docs: list[Document], tokenizer: Tokenizer, *, desc: str = "tokenize", progress: bool = True) -> np.ndarray:
-    """Concatenate documents, each followed by ``<|endoftext|>``, into one int32 stream."""
+def encode_stream(docs: list[Document], tokenizer: Tokenizer, *, desc: str = "tokenize",
+                  progress: bool = True) -> tuple[np.ndarray, np.ndarray]:
+    """Concatenate documents, each followed by ``<|endoftext|>``, into one int32 stream; (stream, where
+    each document begins)."""
     eos = eos_id(tokenizer)
     parts: list[np.ndarray] = []
     chunk = 2048
@@ -54,7 +59,8 @@ def encode_stream(docs: list[Document], tokenizer: Tokenizer, *, desc: str = "to
             for enc in tokenizer.encode_batch([d.text for d in docs[i : i + chunk]]):
                 parts.append(np.asarray(enc.ids + [eos], dtype=np.int32))
             bar.update(min(chunk, len(docs) - i))
-    return np.concatenate(parts) if parts else np.zeros(0, dtype=np.int32)
+    starts = np.cumsum([0] + [len(x) for x in parts[:-1]]).astype(np.int64) if parts else np.zeros(0, np.int64)
+    return (np.concatenate(parts) if parts else np.zeros(0, dtype=np.int32)), starts
 
 
 def load_or_build(
@@ -63,27 +69,28 @@ def load_or_build(
     """Token streams for ``corpus``, cached under ``cache_dir`` by ``key`` (tokenizer + corpus hash)."""
     cache_dir.mkdir(parents=True, exist_ok=True)
     meta_f = cache_dir / "tokens.json"
+    names = ("train", "val", "doc_keys", "doc_start")
     if meta_f.is_file():
         meta = json.loads(meta_f.read_text())
-        if meta.get("key") == key:
-            train = np.load(cache_dir / "train.npy", allow_pickle=False)
-            val = np.load(cache_dir / "val.npy", allow_pickle=False)
-            return TokenData(train, val, meta["stats"])
+        if meta.get("key") == key and all((cache_dir / f"{n}.npy").is_file() for n in names):
+            arrays = [np.load(cache_dir / f"{n}.npy", allow_pickle=False) for n in names]
+            return TokenData(arrays[0], arrays[1], meta["stats"], arrays[2], arrays[3])
     train_docs, val_docs, stats = split_documents(corpus, val_fraction)
     if not train_docs or not val_docs:
         raise ValueError(f"corpus {corpus} gave {len(train_docs)} training and {len(val_docs)} validation documents")
-    train = encode_stream(train_docs, tokenizer, desc="tokenize train", progress=progress)
-    val = encode_stream(val_docs, tokenizer, desc="tokenize val", progress=progress)
+    train, doc_start = encode_stream(train_docs, tokenizer, desc="tokenize train", progress=progress)
+    val, _ = encode_stream(val_docs, tokenizer, desc="tokenize val", progress=progress)
+    doc_keys = np.array([document_key(d.doc_id, d.text) for d in train_docs], dtype=np.int64)
     s = stats.to_dict() | {"train_documents": len(train_docs), "val_documents": len(val_docs),
                            "train_tokens": int(train.size), "val_tokens": int(val.size)}
-    for name, arr in (("train", train), ("val", val)):
+    for name, arr in (("train", train), ("val", val), ("doc_keys", doc_keys), ("doc_start", doc_start)):
         tmp = cache_dir / f"{name}.tmp.npy"
         np.save(tmp, arr, allow_pickle=False)
         tmp.replace(cache_dir / f"{name}.npy")
     meta_f.write_text(json.dumps({"key": key, "stats": s}, indent=2))
     if stats.n_bad:
         log.warning("bad corpus records", extra={"bad_by_reason": dict(stats.bad)})
-    return TokenData(train, val, s)
+    return TokenData(train, val, s, doc_keys, doc_start)
 
 
 def step_generator(seed: int, step: int) -> torch.Generator:
@@ -97,11 +104,9 @@ def get_batch(
     micro: int = 0, grad_accum: int = 1, rank: int = 0, world: int = 1,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(x, y) int64 (batch_size, block): this rank's slice of step ``step``'s global batch."""
-    n_windows = len(stream) - block - 1
-    if n_windows <= 0:
+    if len(stream) - block - 1 <= 0:
         raise ValueError(f"training stream has {len(stream)} tokens, fewer than block_size + 1 = {block + 1}")
-    total = batch_size * grad_accum * world
-    starts = torch.randint(0, n_windows, (total,), generator=step_generator(seed, step)).numpy()
+    starts = window_starts(len(stream), step=step, seed=seed, block=block, total=batch_size * grad_accum * world)
     lo = (micro * world + rank) * batch_size
     rows = np.stack([stream[s : s + block + 1] for s in starts[lo : lo + batch_size]]).astype(np.int64)
     t = torch.from_numpy(rows)

@@ -20,6 +20,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -42,6 +43,7 @@ from .data import get_batch, load_or_build, split_documents
 from .device import autocast_for, pick_device
 from .metrics import evaluate, usage_stats
 from .model import PRISM, ModelOutput
+from .record import TrainingRecord, window_starts
 from .tokenizer import load_tokenizer, train_tokenizer
 
 log = logging.getLogger(__name__)
@@ -112,8 +114,9 @@ class Trainer:
             cfg = stored
         self.model_cfg = cfg
 
+        corpus_fp = fingerprint(self.corpus)
         key = hashlib.sha256(
-            (self.tokenizer.to_str() + fingerprint(self.corpus) + str(self.cfg.val_fraction)).encode()
+            (self.tokenizer.to_str() + corpus_fp + str(self.cfg.val_fraction) + "record-v1").encode()
         ).hexdigest()
         if self.is_main:
             self.data = load_or_build(self.corpus, self.tokenizer, self.cfg.val_fraction, self.out / "data", key,
@@ -128,6 +131,8 @@ class Trainer:
         self.optimizer = self._optimizer()
         K = cfg.n_prototypes if cfg.head == "prism" else 0
         self.usage = torch.full((K,), 1.0 / max(K, 1), dtype=torch.float64)
+        self.record = TrainingRecord.empty(self.data.doc_keys, {"corpus_fingerprint": corpus_fp,
+                                                                "corpus_files": self.corpus})
         if resume_from is not None:
             self._load(resume_from)
         elif self.model.head is not None and self.cfg.proto_init == "data":
@@ -222,7 +227,17 @@ class Trainer:
             if c.reseed_every and (step + 1) % c.reseed_every == 0 and step < c.reseed_until * c.max_steps:
                 stats["reseeded"] = self._reseed()
         self.tokens_seen += self.cfg.batch_size * self.cfg.grad_accum * self.world * self.model_cfg.block_size
+        self._record_step(step)
         return stats
+
+    def _record_step(self, step: int) -> None:
+        """Count the documents step ``step``'s windows covered (every rank's, on every rank: the windows
+        depend only on the seed and the step)."""
+        c, block = self.cfg, self.model_cfg.block_size
+        starts = window_starts(len(self.data.train), step=step, seed=c.seed, block=block,
+                               total=c.batch_size * c.grad_accum * self.world)
+        self.record.add_windows(self.data.doc_start, starts, block + 1)
+        self.record.step = step + 1
 
     def _update_usage(self) -> None:
         mass = self._mass
@@ -277,7 +292,7 @@ class Trainer:
             training = {"step": self.step, "tokens_seen": self.tokens_seen, "train_config": self.cfg.to_dict(),
                         "eval": self.last_eval, "data": self.data.stats, **(summary or {})}
             ckpt.save_checkpoint(path, self.model, self.tokenizer, training=training, optimizer=self.optimizer,
-                                 trainer_state=meta, trainer_tensors=tensors)
+                                 trainer_state=meta, trainer_tensors=tensors, record=self.record)
             tmp = self.out / "latest.tmp"
             tmp.write_text(path.name)
             os.replace(tmp, self.out / "latest")
@@ -299,6 +314,12 @@ class Trainer:
                 raise ConfigError(f"{path}: cannot resume with train.{field}={getattr(self.cfg, field)}, "
                                   f"the run used {stored[field]}")
         self.usage = tensors["usage"].double()
+        stored_record = TrainingRecord.load(path, self.record.corpus)
+        if stored_record is not None and np.array_equal(stored_record.keys, self.record.keys):
+            self.record = stored_record
+        else:  # a checkpoint from before training records, or its data cache rebuilt: recount its steps
+            for s in range(self.step):
+                self._record_step(s)
         torch.set_rng_state(tensors["rng_cpu"])
         if "rng_cuda" in tensors and self.device.type == "cuda":
             torch.cuda.set_rng_state(tensors["rng_cuda"], self.device)
