@@ -93,9 +93,8 @@ def main(argv: list[str] | None = None) -> dict:
     bm25_setup_s = time.perf_counter() - t0
 
     indexed = set(ext)
-    rows = []
-    overlaps, cand_recalls, times = [], [], {"fast": [], "exact": [], "bm25": []}
     tok = att.tokenizer
+    queries = []  # (fact, kind, prompt, wanted, memorised)
     for f in facts:
         wanted = set(f.doc_ids) & indexed
         if not wanted:
@@ -104,24 +103,36 @@ def main(argv: list[str] | None = None) -> dict:
         gen = att.model.generate(torch.tensor([ids]), len(tok.encode(f.answer).ids))
         memorised = tok.decode(gen[0, len(ids):].tolist()).strip() == f.answer.strip()
         for kind, prompt in (("verbatim", f.prompt), ("paraphrase", f.paraphrase)):
-            row = {"fact": f.fact_id, "kind": kind, "memorised": memorised}
-            res = {}
-            for mode in ("fast", "exact"):
-                r = att.attribute(QuerySpec(prompt, f.answer),
-                                  QueryOptions(n_documents=50, mode=mode, n_candidates=args.candidates))
-                times[mode].append(r.timings_ms.total / 1e3)
-                res[mode] = [ext[d.doc_id] for d in r.documents]
-                row[mode] = rank_of(res[mode], wanted)
-            top_f, top_e = set(res["fast"][:10]), set(res["exact"][:10])
-            overlaps.append(len(top_f & top_e) / max(len(top_e), 1))
-            cand_docs = {ext[int(d)] for d in att.candidate_documents(att.encode(QuerySpec(prompt, f.answer)),
-                                                                       args.candidates)}
-            cand_recalls.append(len(top_e & cand_docs) / max(len(top_e), 1))
-            t1 = time.perf_counter()
-            scores = bm25.get_scores((prompt + f.answer).lower().split())
-            times["bm25"].append(time.perf_counter() - t1)
-            row["bm25"] = rank_of([ext[i] for i in np.argsort(-scores)[:50]], wanted)
-            rows.append(row)
+            queries.append((f, kind, prompt, wanted, memorised))
+    # exact: every training token recomputed, all queries in one pass (ranked as exact mode ranks: the
+    # best token's cosine among the documents the checkpoint trained on)
+    encoded = [att.encode(QuerySpec(prompt, f.answer)) for f, _, prompt, _, _ in queries]
+    t0 = time.perf_counter()
+    exact_all = att.exact_document_scores(encoded)
+    exact_s = (time.perf_counter() - t0) / max(len(queries), 1)
+    trained = att.reader.trained(np.arange(att.reader.n_docs))
+    rows = []
+    overlaps, cand_recalls, times = [], [], {"fast": [], "exact": [exact_s] * len(queries), "bm25": []}
+    for (f, kind, prompt, wanted, memorised), q, exact in zip(queries, encoded, exact_all, strict=True):
+        row = {"fact": f.fact_id, "kind": kind, "memorised": memorised}
+        r = att.attribute(QuerySpec(prompt, f.answer), QueryOptions(n_documents=50, n_candidates=args.candidates))
+        times["fast"].append(r.timings_ms.total / 1e3)
+        res = {"fast": [ext[d.doc_id] for d in r.documents]}
+        s = np.where(trained, exact["cosine_max"], -np.inf)
+        res["exact"] = [ext[int(d)] for d in np.argsort(-s, kind="stable")[:50] if np.isfinite(s[d]) and s[d] > 0]
+        for mode in ("fast", "exact"):
+            row[mode] = rank_of(res[mode], wanted)
+        top_f, top_e = set(res["fast"][:10]), set(res["exact"][:10])
+        overlaps.append(len(top_f & top_e) / max(len(top_e), 1))
+        cand_docs = {ext[int(d)] for d in att.candidate_documents(q, args.candidates)}
+        row["candidate_recall_of_exact_top10"] = len(top_e & cand_docs) / max(len(top_e), 1)
+        row["exact_top10_copies_in_candidates"] = len(top_e & wanted & cand_docs)
+        cand_recalls.append(row["candidate_recall_of_exact_top10"])
+        t1 = time.perf_counter()
+        scores = bm25.get_scores((prompt + f.answer).lower().split())
+        times["bm25"].append(time.perf_counter() - t1)
+        row["bm25"] = rank_of([ext[i] for i in np.argsort(-scores)[:50]], wanted)
+        rows.append(row)
 
     def group(method: str, kind: str, mem: bool | None = None) -> dict:
         return summarise([r[method] for r in rows if r["kind"] == kind and (mem is None or r["memorised"] == mem)])
@@ -134,6 +145,9 @@ def main(argv: list[str] | None = None) -> dict:
     res |= {
         "canary_recall_at_10_verbatim": pm["fast"]["verbatim"]["recall_at_10"],
         "canary_recall_at_10_paraphrase": pm["fast"]["paraphrase"]["recall_at_10"],
+        "canary_recall_at_10_verbatim_memorised": pm["fast"]["verbatim_memorised"]["recall_at_10"],
+        "candidate_recall_of_exact_top10_memorised": float(np.mean([r["candidate_recall_of_exact_top10"]
+                                                                     for r in rows if r["memorised"]] or [np.nan])),
         "canary_mrr_verbatim_fast": pm["fast"]["verbatim"]["mrr"],
         "canary_mrr_verbatim_exact": pm["exact"]["verbatim"]["mrr"],
         "canary_mrr_verbatim_bm25": pm["bm25"]["verbatim"]["mrr"],
