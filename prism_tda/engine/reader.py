@@ -10,6 +10,7 @@ Ids are global: a shard's tokens, sequences and documents follow those of the sh
 from __future__ import annotations
 
 import functools
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -63,6 +64,8 @@ class Shard:
             setattr(self, name, np.load(f, mmap_mode="r"))
         self.faiss = open_faiss(path / layout.SHARD_FAISS)
         self._docs = pq.ParquetFile(path / layout.DOCUMENTS)
+        # one Parquet reader must not be read from two threads at once (pyarrow crashes the process)
+        self._docs_lock = threading.Lock()
         md = self._docs.metadata  # documents per row group, as written (every group but the last)
         self.group_rows = md.row_group(0).num_rows if md.num_row_groups and md.row_group(0).num_rows else DOC_ROW_GROUP
 
@@ -83,7 +86,9 @@ class Shard:
         return np.asarray(np.where(last, self.seq_last_target[seq], self.tokens[nxt]), dtype=np.int64)
 
     def doc_group(self, group: int) -> dict[str, list]:
-        return self._docs.read_row_group(group).to_pydict()
+        with self._docs_lock:
+            table = self._docs.read_row_group(group)
+        return table.to_pydict()
 
     @functools.cached_property
     def trained(self) -> np.ndarray:
@@ -92,7 +97,8 @@ class Shard:
         written before the column existed count every document as trained."""
         if "trained" not in self._docs.schema_arrow.names:
             return np.ones(self.info.n_docs, dtype=bool)
-        col = self._docs.read(columns=["trained"]).column("trained")
+        with self._docs_lock:
+            col = self._docs.read(columns=["trained"]).column("trained")
         return np.asarray(col.fill_null(True).to_numpy(zero_copy_only=False), dtype=bool)
 
 

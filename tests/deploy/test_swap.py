@@ -34,10 +34,11 @@ class Load:
                 t0 = time.monotonic()
                 try:
                     r = c.post("/v1/attribute", json=QUERY)
-                    ids = {d["external_id"] for d in r.json()["documents"]} if r.status_code == 200 else set()
-                    self.results.append((t0, time.monotonic(), r.status_code, ids))
+                    ok = r.status_code == 200
+                    ids = {d["external_id"] for d in r.json()["documents"]} if ok else set()
+                    self.results.append((t0, time.monotonic(), r.status_code, ids, "" if ok else r.text[:500]))
                 except Exception as e:  # noqa: BLE001 - a transport error is a failed request here
-                    self.results.append((t0, time.monotonic(), type(e).__name__, set()))
+                    self.results.append((t0, time.monotonic(), type(e).__name__, set(), repr(e)))
 
     def __enter__(self) -> Load:
         for t in self._threads:
@@ -78,6 +79,8 @@ def test_swap_under_load_fails_no_request_and_refuses_another_model(index_a, ind
     server.wait_ready()
     with Load(server.url) as load:
         load.wait_for(5)
+        failed = [r for r in load.results if r[2] != 200]
+        assert not failed, f"{failed[:3]}\n" + server.log()
         assert {version_of(r[3], ids_a, ids_b) for r in load.results} == {"a"}
 
         # 1. SIGHUP after the symlink moved to v2: the server reloads it in place.
@@ -126,7 +129,7 @@ def test_swap_under_load_fails_no_request_and_refuses_another_model(index_a, ind
         load.wait_for(len(load.results) + 6)
 
     failed = [r for r in load.results if r[2] != 200]
-    assert not failed, f"{len(failed)} of {len(load.results)} requests failed: {failed[:5]}"
+    assert not failed, f"{len(failed)} of {len(load.results)} requests failed: {failed[:5]}\n" + server.log()
     assert len(load.results) >= 20
     ready = httpx.get(server.url + "/readyz").json()
     assert ready["indexes"][0]["documents"] == 300
