@@ -6,7 +6,8 @@
   built independently and appended later without touching the others; the summed statistics of
   every shard are kept too (``stats.safetensors``), and the summary reports how far the sample's
   corrections are from the full corpus's.
-- The **token-vector codec** (``engine/codec.py``): its codebooks and diagonal scale.
+- The **token-vector codec** (``engine/codec.py``): its codebooks (of ``m_t`` and of the direction
+  of ``u_t``) and diagonal scale.
 - The **posting cells**: ``C`` unit directions (spherical k-means of the scaled token vectors);
   each prototype's posting list is split by the cell of its tokens' direction.
 - The **activation scale**: per prototype, the range of log activations stored in 8 bits.
@@ -37,9 +38,11 @@ class IndexCalibration:
     cells: torch.Tensor  # (C, d) unit directions of D^{-1/2} Q^T u
     act_lo: torch.Tensor  # (K,) log activation at code 1
     act_hi: torch.Tensor  # (K,) log activation at code 255
+    codec_dir_centroids: torch.Tensor | None = None  # (n_sub, 2^bits, d_sub) the direction codebook
 
     def codec(self, W: torch.Tensor) -> TokenCodec:
-        return TokenCodec(self.codec_centroids, self.codec_scale, W, self.curvature.Q, self.codec_bits)
+        return TokenCodec(self.codec_centroids, self.codec_scale, W, self.curvature.Q, self.codec_bits,
+                          self.codec_dir_centroids)
 
     # ---------------------------------------------------------------------------- activations
     def quantize_acts(self, acts: torch.Tensor, proto: torch.Tensor) -> np.ndarray:
@@ -68,6 +71,8 @@ class IndexCalibration:
              "n_tokens": torch.tensor([c.n_tokens], dtype=torch.float64), "codec_centroids": self.codec_centroids,
              "codec_scale": self.codec_scale, "codec_bits": torch.tensor([self.codec_bits]), "cells": self.cells,
              "act_lo": self.act_lo, "act_hi": self.act_hi}
+        if self.codec_dir_centroids is not None:
+            t["codec_dir_centroids"] = self.codec_dir_centroids
         atomic_write_bytes(path, save({k: v.contiguous() for k, v in t.items()}))
 
     @classmethod
@@ -75,4 +80,5 @@ class IndexCalibration:
         t = load_file(str(path))
         curv = Curvature(t["Q"].float(), t["lam"].float(), t["damping"][0].float(), int(t["n_tokens"][0]))
         return cls(curv, t["codec_centroids"].float(), t["codec_scale"].float(), int(t["codec_bits"][0]),
-                   t["cells"].float(), t["act_lo"].float(), t["act_hi"].float())
+                   t["cells"].float(), t["act_lo"].float(), t["act_hi"].float(),
+                   t["codec_dir_centroids"].float() if "codec_dir_centroids" in t else None)

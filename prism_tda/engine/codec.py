@@ -11,6 +11,15 @@ mean over prototypes of ``lambda_i + lam``, so the quantiser spends its bits whe
 sensitive) and product-quantised: ``n_sub`` sub-vectors, each the index of its nearest of
 ``2^bits`` centroids. Codes of 12 bits are packed two to three bytes. Encoding and decoding run
 in torch (on the indexing device); the codebooks are trained with FAISS's k-means.
+
+**Direction codes.** A token the model predicts confidently (a memorised fact, say) has ``p_t``
+close to ``e_{y_t}``, so ``u_t`` is tiny beside ``m_t``: quantising ``m_t`` leaves an error that
+dwarfs ``u_t`` itself, and the token's approximate cosine with a query is noise. Such a token
+stores instead the codes of its direction ``D^{-1/2} u_t / ||D^{-1/2} u_t||`` in a second codebook
+(trained on the sample's unit directions); its length is not stored: the index keeps ``I(t, t)``
+exactly, and the length is what makes the decoded direction's ``I(t, t)`` equal it
+(``engine/reader.py``). The encoder writes, per token, whichever of the two codes reconstructs
+``D^{-1/2} u_t`` better, and one bit per token says which (``code_dir``).
 """
 
 from __future__ import annotations
@@ -75,6 +84,7 @@ class TokenCodec:
     W: torch.Tensor  # (V, d) the unembedding (shared with the model, not copied)
     Q: torch.Tensor  # (d, d) the curvature basis
     bits: int
+    dir_centroids: torch.Tensor | None = None  # (n_sub, 2^bits, d_sub) unit directions of D^{-1/2} u_t
 
     @functools.cached_property
     def _WQ(self) -> torch.Tensor:
@@ -88,14 +98,31 @@ class TokenCodec:
         n_sub, k, ds = self.centroids.shape
         return (self.centroids / self.scale.view(n_sub, 1, ds)).reshape(n_sub * k, ds).contiguous()
 
-    def lookup_tables(self, Wq: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    @functools.cached_property
+    def _flat_dir_centroids(self) -> torch.Tensor | None:
+        """As :attr:`_flat_centroids`, of the direction codebook (None: the codec has none)."""
+        if self.dir_centroids is None:
+            return None
+        n_sub, k, ds = self.dir_centroids.shape
+        return (self.dir_centroids / self.scale.view(n_sub, 1, ds)).reshape(n_sub * k, ds).contiguous()
+
+    @property
+    def has_directions(self) -> bool:
+        return self.dir_centroids is not None
+
+    def lookup_tables(self, Wq: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """For query columns ``Wq`` (P, d): (P, n_sub * 2^bits) each column's product with every
         centroid of its sub-vector (so ``Wq_p . m_t`` is the sum of ``n_sub`` entries, one per code),
-        and (P, V) each column's product with every target row ``Q^T W[y]``."""
+        (P, V) each column's product with every target row ``Q^T W[y]``, and (P, n_sub * 2^bits) the
+        same as the first for the direction codebook (None without one)."""
         n_sub, k, ds = self.centroids.shape
-        C = self._flat_centroids.view(n_sub, k, ds)
-        m_tab = torch.einsum("psd,skd->psk", Wq.float().view(len(Wq), n_sub, ds), C).reshape(len(Wq), n_sub * k)
-        return m_tab, Wq.float() @ self._WQ.T
+        Wv = Wq.float().view(len(Wq), n_sub, ds)
+        m_tab = torch.einsum("psd,skd->psk", Wv, self._flat_centroids.view(n_sub, k, ds)).reshape(len(Wq), n_sub * k)
+        d_tab = None
+        if self._flat_dir_centroids is not None:
+            d_tab = torch.einsum("psd,skd->psk", Wv, self._flat_dir_centroids.view(n_sub, k, ds)).reshape(
+                len(Wq), n_sub * k)
+        return m_tab, Wq.float() @ self._WQ.T, d_tab
 
     def flat_codes(self, packed: np.ndarray) -> np.ndarray:
         """Packed codes (N, code_bytes) -> (N, n_sub) columns of :meth:`lookup_tables`' first table."""
@@ -116,57 +143,104 @@ class TokenCodec:
 
     @classmethod
     def train(cls, m: torch.Tensor, scale: torch.Tensor, W: torch.Tensor, Q: torch.Tensor, *, n_sub: int,
-              bits: int, seed: int = 0, iters: int = 12, points_per_centroid: int = 32) -> TokenCodec:
-        """Fit the codebooks on a sample of ``m = Q^T W^T p_t`` (N, d) (in the Q basis, unscaled)."""
-        import faiss
-
+              bits: int, seed: int = 0, iters: int = 12, points_per_centroid: int = 32,
+              u: torch.Tensor | None = None) -> TokenCodec:
+        """Fit the codebooks on a sample of ``m = Q^T W^T p_t`` (N, d) (in the Q basis, unscaled) and,
+        given the sample's token vectors ``u = Q^T u_t`` (N, d), the direction codebook."""
         code_bytes(n_sub, bits)
-        x = (m.float() * scale).numpy().astype(np.float32)
-        d = x.shape[1]
+        d = m.shape[1]
         if d % n_sub:
             raise ValueError(f"{n_sub} sub-quantisers do not divide the token vector's {d} dimensions")
-        ds, k = d // n_sub, 1 << bits
-        cents = np.empty((n_sub, k, ds), dtype=np.float32)
-        for j in range(n_sub):
-            sub = np.ascontiguousarray(x[:, j * ds : (j + 1) * ds])
-            km = faiss.Kmeans(ds, k, niter=iters, seed=seed + j, max_points_per_centroid=points_per_centroid,
-                              min_points_per_centroid=1, verbose=False)
-            km.train(sub if len(sub) >= k else np.repeat(sub, -(-k // len(sub)), axis=0))
-            cents[j] = km.centroids
-        return cls(torch.from_numpy(cents), scale.float(), W, Q.float(), bits)
+        cents = _kmeans_subspaces((m.float() * scale).numpy(), n_sub, bits, seed, iters, points_per_centroid)
+        dirs = None
+        if u is not None:
+            x = u.float() * scale
+            x = x / x.norm(dim=1, keepdim=True).clamp_min(1e-30)
+            dirs = _kmeans_subspaces(x.numpy(), n_sub, bits, seed + n_sub, iters, points_per_centroid)
+        return cls(cents, scale.float(), W, Q.float(), bits, dirs)
 
     @functools.cached_property
     def _pq(self):
         """FAISS's product quantiser over these codebooks: the same nearest-centroid codes, packed the
         same way (tested), an order of magnitude faster than a dense distance matrix in torch."""
-        import faiss
+        return _faiss_pq(self.centroids, self.bits)
 
-        n_sub, k, ds = self.centroids.shape
-        pq = faiss.ProductQuantizer(n_sub * ds, n_sub, self.bits)
-        faiss.copy_array_to_vector(self.centroids.float().numpy().reshape(-1), pq.centroids)
-        pq.sync_transposed_centroids()  # the faster assignment (same codes)
-        return pq
+    @functools.cached_property
+    def _pq_dir(self):
+        assert self.dir_centroids is not None
+        return _faiss_pq(self.dir_centroids, self.bits)
 
-    def encode(self, u: torch.Tensor, targets: torch.Tensor) -> np.ndarray:
-        """Packed codes (N, code_bytes) of token vectors ``u`` (N, u_dim) with target ids (N,)."""
+    def encode(self, u: torch.Tensor, targets: torch.Tensor) -> tuple[np.ndarray, np.ndarray]:
+        """Packed codes (N, code_bytes) of token vectors ``u`` (N, u_dim) with target ids (N,), and
+        (N,) bool: which tokens' codes are of their direction (the better reconstruction)."""
         dev = u.device
-        x = (u.float() + self.target_rows(targets.to(self.W.device)).to(dev)) * self.scale.to(dev)  # D^{-1/2} m_t
-        return self._pq.compute_codes(np.ascontiguousarray(x.cpu().numpy(), dtype=np.float32))
+        scale = self.scale.to(dev)
+        m = (u.float() + self.target_rows(targets.to(self.W.device)).to(dev)) * scale  # D^{-1/2} m_t
+        x = np.ascontiguousarray(m.cpu().numpy(), dtype=np.float32)
+        codes = self._pq.compute_codes(x)
+        is_dir = np.zeros(len(x), dtype=bool)
+        if self.dir_centroids is None or not len(x):
+            return codes, is_dir
+        xs = (u.float() * scale).cpu().numpy().astype(np.float32)  # D^{-1/2} u_t
+        r = np.linalg.norm(xs, axis=1, keepdims=True)
+        unit = np.ascontiguousarray(xs / np.maximum(r, 1e-30))
+        codes_d = self._pq_dir.compute_codes(unit)
+        err_m = np.linalg.norm(self._pq.decode(codes) - x, axis=1)
+        err_d = np.linalg.norm(self._pq_dir.decode(codes_d) * r - xs, axis=1)
+        is_dir = err_d < err_m
+        codes[is_dir] = codes_d[is_dir]
+        return codes, is_dir
 
-    def decode(self, packed: np.ndarray, targets: np.ndarray) -> torch.Tensor:
-        """Approximate ``Q^T u_t`` (N, u_dim) from packed codes and target ids."""
+    def decode(self, packed: np.ndarray, targets: np.ndarray, is_dir: np.ndarray | None = None) -> torch.Tensor:
+        """Approximate ``Q^T u_t`` (N, u_dim) from packed codes and target ids; the rows ``is_dir``
+        (direction codes) come back as the direction at unit length in the scaled space, their length
+        to be set by the caller (:meth:`IndexReader.token_vectors`)."""
         codes = unpack_torch(packed, self.bits, self.n_sub)  # (N, n_sub)
         k = self.centroids.shape[1]
         idx = codes + torch.arange(self.n_sub) * k  # rows of the flattened codebooks
         m = torch.nn.functional.embedding(idx, self._flat_centroids).reshape(len(codes), len(self.scale))
         with torch.no_grad():
-            return m - self.target_rows(torch.from_numpy(targets.astype(np.int64))).cpu()
+            out = m - self.target_rows(torch.from_numpy(targets.astype(np.int64))).cpu()
+            if is_dir is not None and is_dir.any():
+                assert self._flat_dir_centroids is not None, "direction codes without a direction codebook"
+                at = torch.from_numpy(np.nonzero(is_dir)[0])
+                out[at] = torch.nn.functional.embedding(idx[at], self._flat_dir_centroids).reshape(len(at), -1)
+        return out
 
     def save(self, path: Path) -> None:
-        atomic_write_bytes(path, save({"centroids": self.centroids.contiguous(), "scale": self.scale.contiguous(),
-                                      "bits": torch.tensor([self.bits])}))
+        t = {"centroids": self.centroids.contiguous(), "scale": self.scale.contiguous(), "bits": torch.tensor([self.bits])}
+        if self.dir_centroids is not None:
+            t["dir_centroids"] = self.dir_centroids.contiguous()
+        atomic_write_bytes(path, save(t))
 
     @classmethod
     def load(cls, path: Path, W: torch.Tensor, Q: torch.Tensor) -> TokenCodec:
         t = load_file(str(path))
-        return cls(t["centroids"], t["scale"], W, Q.float(), int(t["bits"][0]))
+        return cls(t["centroids"], t["scale"], W, Q.float(), int(t["bits"][0]), t.get("dir_centroids"))
+
+
+def _kmeans_subspaces(x: np.ndarray, n_sub: int, bits: int, seed: int, iters: int,
+                      points_per_centroid: int) -> torch.Tensor:
+    """(n_sub, 2^bits, d / n_sub) k-means centroids of each sub-vector of the rows of ``x`` (N, d)."""
+    import faiss
+
+    x = np.ascontiguousarray(x, dtype=np.float32)
+    ds, k = x.shape[1] // n_sub, 1 << bits
+    cents = np.empty((n_sub, k, ds), dtype=np.float32)
+    for j in range(n_sub):
+        sub = np.ascontiguousarray(x[:, j * ds : (j + 1) * ds])
+        km = faiss.Kmeans(ds, k, niter=iters, seed=seed + j, max_points_per_centroid=points_per_centroid,
+                          min_points_per_centroid=1, verbose=False)
+        km.train(sub if len(sub) >= k else np.repeat(sub, -(-k // len(sub)), axis=0))
+        cents[j] = km.centroids
+    return torch.from_numpy(cents)
+
+
+def _faiss_pq(centroids: torch.Tensor, bits: int):
+    import faiss
+
+    n_sub, _, ds = centroids.shape
+    pq = faiss.ProductQuantizer(n_sub * ds, n_sub, bits)
+    faiss.copy_array_to_vector(centroids.float().numpy().reshape(-1), pq.centroids)
+    pq.sync_transposed_centroids()  # the faster assignment (same codes)
+    return pq

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from .tokens import TokenBatch
@@ -102,3 +103,10 @@ class CurvatureStats:
         for k, v in t.items():
             setattr(self, k, v.double())
         return self
+
+
+def self_influence(U: torch.Tensor, protos: np.ndarray, acts: np.ndarray, inv: torch.Tensor) -> np.ndarray:
+    """I(t, t) = sum_i a_{t,i}^2 sum_j u_j^2 / (lam_ij + lam) of tokens (n, d) with their prototypes."""
+    u2 = U.float().pow(2)  # (n, d)
+    per = torch.einsum("nd,nkd->nk", u2, inv[torch.from_numpy(protos)])
+    return (torch.from_numpy(acts).float().pow(2) * per).sum(1).double().numpy()

@@ -16,9 +16,10 @@ from tqdm.auto import tqdm
 from prism_tda.model import PRISM
 
 from .aggregate import DocumentTotals
+from .curvature import self_influence
 from .query import Query
 from .reads import Reads
-from .scoring import Preconditioner, match_cosines, score_tokens, self_influence
+from .scoring import Preconditioner, match_cosines, score_tokens
 from .tokens import run_batch
 from .types import Aggregation
 

@@ -25,8 +25,10 @@ are the shard's offset (the counts of the shards before it, in unit order) plus 
 
 Per token: the input token id (uint16 when the vocabulary allows), the k active prototypes
 (uint16 up to 65,536 prototypes) and their activations (uint8 on a per-prototype log scale; 0 =
-inactive), the packed codes of the token vector (``engine/codec.py``), and ``I(t, t)`` (float16,
-scaled by the shard's ``self_scale``). Posting lists hold, for each prototype and cell of the
+inactive), the packed codes of the token vector (``engine/codec.py``), one bit saying whether
+those codes are of the vector's direction (``code_dir.npy``, ``np.packbits`` order; absent in
+indexes built before direction codes: none are), and ``I(t, t)`` (float16, scaled by the shard's
+``self_scale``). Posting lists hold, for each prototype and cell of the
 token-vector direction, the tokens for which that prototype carries most of ``I(t, t)``,
 strongest first. Every file is written under a temporary name, fsynced and renamed.
 """
@@ -65,6 +67,8 @@ DOCUMENTS, SEQUENCES, SHARD_FAISS = "documents.parquet", "sequences.parquet", "f
 INDEX_FILES = (MANIFEST, CALIBRATION, FAISS_TEMPLATE, PROTOTYPES, VOCAB, STATS)
 ARRAYS = ("tokens", "protos", "acts", "codes", "self", "post_offsets", "post_tokens", "proto_top", "seq_tok0",
           "seq_doc", "seq_start", "seq_last_target")
+# arrays a shard may lack (written by later versions of the indexer; readers default them)
+OPTIONAL_ARRAYS = ("code_dir",)
 DOC_ROW_GROUP = 128  # documents per Parquet row group written: a document is read by its row group
 
 

@@ -23,6 +23,7 @@ import torch
 from prism_tda.errors import PrismError
 
 from . import layout
+from .curvature import self_influence
 from .layout import DOC_ROW_GROUP, ShardInfo
 from .reads import IndexWide
 
@@ -54,6 +55,7 @@ class Shard:
     seq_doc: np.ndarray
     seq_start: np.ndarray
     seq_last_target: np.ndarray
+    code_dir: np.ndarray | None  # packed bits (layout.OPTIONAL_ARRAYS); None in older indexes
 
     def __init__(self, path: Path, info: ShardInfo) -> None:
         self.path, self.info = path, info
@@ -62,6 +64,9 @@ class Shard:
             if not f.is_file():
                 raise PrismError(f"{f}: missing (rebuild the shard: delete {path} and run `prism index` again)")
             setattr(self, name, np.load(f, mmap_mode="r"))
+        for name in layout.OPTIONAL_ARRAYS:
+            f = layout.array_file(path, name)
+            setattr(self, name, np.load(f, mmap_mode="r") if f.is_file() else None)
         self.faiss = open_faiss(path / layout.SHARD_FAISS)
         self._docs = pq.ParquetFile(path / layout.DOCUMENTS)
         # one Parquet reader must not be read from two threads at once (pyarrow crashes the process)
@@ -74,6 +79,7 @@ class Shard:
         Parquet reader. Views still held elsewhere keep their pages until they go."""
         for name in layout.ARRAYS:
             self.__dict__.pop(name, None)
+        self.code_dir = None
         self.faiss = None
         self._docs = None
 
@@ -84,6 +90,13 @@ class Shard:
         last = local + 1 >= self.seq_tok0[seq + 1]
         nxt = np.minimum(local + 1, len(self.tokens) - 1)
         return np.asarray(np.where(last, self.seq_last_target[seq], self.tokens[nxt]), dtype=np.int64)
+
+    def code_dirs(self, local: np.ndarray) -> np.ndarray:
+        """(n,) bool: whether the codes of the ``local`` rows are of their direction (``engine/codec.py``)."""
+        if self.code_dir is None:
+            return np.zeros(len(local), dtype=bool)
+        local = np.asarray(local, np.int64)
+        return ((self.code_dir[local >> 3] >> (7 - (local & 7))) & 1).astype(bool)
 
     def doc_group(self, group: int) -> dict[str, list]:
         with self._docs_lock:
@@ -184,9 +197,39 @@ class IndexReader(IndexWide):
             codes[at] = self.shard(s).codes[local]
         return codes
 
-    def token_vectors(self, tok: np.ndarray, targets: np.ndarray) -> torch.Tensor:
-        """Approximate ``Q^T u_t`` (n, d) of the tokens ``tok`` from their stored codes."""
-        return self.codec.decode(self.token_codes(tok), targets)
+    def token_code_dirs(self, tok: np.ndarray) -> np.ndarray:
+        """(n,) bool: which of the tokens ``tok`` store the codes of their direction."""
+        out = np.zeros(len(tok), dtype=bool)
+        for s, at, local in self._split(tok, self.tok_base):
+            out[at] = self.shard(s).code_dirs(local)
+        return out
+
+    @functools.cached_property
+    def _index_inv(self) -> torch.Tensor:
+        return self.inv(self.cfg.damping)
+
+    def direction_lengths(self, packed: np.ndarray, protos: np.ndarray, acts: np.ndarray, targets: np.ndarray,
+                          stored_self: np.ndarray) -> np.ndarray:
+        """(n,) the length of each direction-coded token vector (packed codes, active prototypes and
+        activations, targets, stored ``I(t, t)``): the one that gives its decoded direction the stored
+        ``I(t, t)``, which the index keeps exactly (the codes hold no length)."""
+        unit = self.codec.decode(packed, targets, np.ones(len(packed), dtype=bool))
+        i_unit = self_influence(unit, protos, acts, self._index_inv)
+        return np.sqrt(stored_self / np.maximum(i_unit, 1e-30)).astype(np.float32)
+
+    def token_vectors(self, tok: np.ndarray, data: TokenData | None = None) -> torch.Tensor:
+        """Approximate ``Q^T u_t`` (n, d) of the tokens ``tok`` from their stored codes (``data``: their
+        :meth:`token_data`, when the caller has it)."""
+        data = data if data is not None else self.token_data(tok)
+        packed = self.token_codes(tok)
+        dirs = self.token_code_dirs(tok)
+        U = self.codec.decode(packed, data.targets, dirs)
+        if dirs.any():
+            at = np.nonzero(dirs)[0]
+            length = self.direction_lengths(packed[at], data.protos[at], data.acts[at], data.targets[at],
+                                            data.self_influence[at])
+            U[torch.from_numpy(at)] *= torch.from_numpy(length)[:, None]
+        return U
 
     def prefetch(self, seqs: np.ndarray, ctx: Any = None) -> None:
         """Say which sequences are read next (a reader of shards held elsewhere fetches them at once;

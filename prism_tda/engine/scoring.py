@@ -27,6 +27,7 @@ from prism_tda.errors import QueryError
 from prism_tda.model import PRISM
 
 from .aggregate import DocumentTotals
+from .curvature import self_influence
 from .query import Query
 from .reader import IndexReader
 from .reads import Reads
@@ -122,24 +123,19 @@ def match_cosines(protos: np.ndarray, acts: np.ndarray, U: torch.Tensor, t_self:
     return out
 
 
-def self_influence(U: torch.Tensor, protos: np.ndarray, acts: np.ndarray, inv: torch.Tensor) -> np.ndarray:
-    """I(t, t) = sum_i a_{t,i}^2 sum_j u_j^2 / (lam_ij + lam) of tokens (n, d) with their prototypes."""
-    u2 = U.float().pow(2)  # (n, d)
-    per = torch.einsum("nd,nkd->nk", u2, inv[torch.from_numpy(protos)])
-    return (torch.from_numpy(acts).float().pow(2) * per).sum(1).double().numpy()
-
-
 def approx_scores(reader: IndexReader, G: torch.Tensor, pre: Preconditioner, tok: np.ndarray) -> TokenScores:
     """Scores of the tokens ``tok`` (global rows, ascending) from the index's stored values.
 
     At the index's damping the token vectors are never decoded: with ``u_t = m_t - W[y_t]`` and
     ``m_t`` product-quantised, each query column's product with ``m_t`` is a sum of table lookups,
     one per sub-quantiser (asymmetric scoring), and its product with ``W[y_t]`` one lookup; only
-    the tokens that share a prototype with the query are touched. Other dampings need ``I(t, t)``
+    the tokens that share a prototype with the query are touched. A token stored by its direction
+    (``engine/codec.py``) looks up the direction codebook's table and is scaled by its length, which
+    needs its direction decoded. Other dampings need ``I(t, t)``
     recomputed, so they decode."""
     data = reader.token_data(tok)
     if not pre.is_index_default:
-        U = reader.token_vectors(tok, data.targets)
+        U = reader.token_vectors(tok, data)
         t_self = self_influence(U, data.protos, data.acts, pre.inv)
         return score_tokens(tok, data.protos, data.acts, U, t_self, G, pre, exact=False)
     col, Wq = _query_columns(G, pre)
@@ -149,8 +145,9 @@ def approx_scores(reader: IndexReader, G: torch.Tensor, pre: Preconditioner, tok
     slot_val = np.zeros(data.protos.shape, dtype=np.float32)
     if len(rows):
         codec = reader.codec
-        m_tab, y_tab = codec.lookup_tables(Wq)  # (P, n_sub * 2^bits), (P, V)
-        codes = codec.flat_codes(reader.token_codes(tok[rows]))  # (n_rows, n_sub) rows of m_tab
+        m_tab, y_tab, d_tab = codec.lookup_tables(Wq)  # (P, n_sub * 2^bits), (P, V), direction codebook's
+        packed = reader.token_codes(tok[rows])
+        codes = codec.flat_codes(packed)  # (n_rows, n_sub) rows of m_tab (and of d_tab)
         r, j = np.nonzero(hit[rows])
         t_r = rows[r]  # the hit's token
         p = torch.from_numpy(c[t_r, j])
@@ -158,7 +155,16 @@ def approx_scores(reader: IndexReader, G: torch.Tensor, pre: Preconditioner, tok
         m_idx = p[:, None] * m_tab.shape[1] + torch.from_numpy(codes[r])
         m_part = torch.take(m_tab, m_idx).sum(1)  # Wq_p . m_t
         y_part = torch.take(y_tab, p * y_tab.shape[1] + torch.from_numpy(data.targets[t_r]))  # Wq_p . Q^T W[y_t]
-        slot_val[t_r, j] = data.acts[t_r, j] * (m_part - y_part).numpy()
+        val = m_part - y_part
+        dirs = reader.token_code_dirs(tok[rows]) if d_tab is not None else None
+        if dirs is not None and dirs.any():  # direction codes: Wq_p . (unit direction) x the token's length
+            at = np.nonzero(dirs)[0]
+            length = np.zeros(len(rows), dtype=np.float32)
+            length[at] = reader.direction_lengths(packed[at], data.protos[rows[at]], data.acts[rows[at]],
+                                                  data.targets[rows[at]], data.self_influence[rows[at]])
+            d_part = torch.take(d_tab, m_idx).sum(1) * torch.from_numpy(length[r])
+            val = torch.where(torch.from_numpy(dirs[r]), d_part, val)
+        slot_val[t_r, j] = data.acts[t_r, j] * val.numpy()
     raw = slot_val.sum(1).astype(np.float64)
     cos = raw / np.sqrt(max(pre.self_influence(G), 1e-30) * np.maximum(data.self_influence, 1e-30))
     return TokenScores(tok, raw, cos, data.protos, slot_val, False)

@@ -142,7 +142,7 @@ def calibrate(model: PRISM, tokenizer: Tokenizer, units: list[WorkUnit], cfg: In
     scale = (curv.lam.mean(0) + curv.damping).rsqrt()  # D^{-1/2}
     W = model.W.detach().float().cpu()
     codec = TokenCodec.train(ut + W[y] @ Q, scale, W, Q, n_sub=cfg.code_subquantizers, bits=cfg.code_bits,
-                             seed=cfg.seed)
+                             seed=cfg.seed, u=ut)
     n_cells = max(1, min(cfg.posting_cells, len(u) // 8))
     x = normalise((ut * scale).numpy())
     km = faiss.Kmeans(d, n_cells, niter=20, seed=cfg.seed, spherical=True, max_points_per_centroid=256)
@@ -160,7 +160,7 @@ def calibrate(model: PRISM, tokenizer: Tokenizer, units: list[WorkUnit], cfg: In
         if len(v) >= 16:
             act_lo[k], act_hi[k] = min(float(v.min()), ghi - 1e-3), max(float(v.max()), glo + 1e-3)
     act_lo, act_hi = act_lo - 0.05, act_hi + 0.05  # headroom for values beyond the sample's
-    calib = IndexCalibration(curv, codec.centroids, scale, cfg.code_bits, cells, act_lo, act_hi)
+    calib = IndexCalibration(curv, codec.centroids, scale, cfg.code_bits, cells, act_lo, act_hi, codec.dir_centroids)
     # FAISS: choose by the corpus's estimated size; train the template on the sample's embeddings
     sketch = Sketch(K, d, cfg.embed_dim, cfg.sketch_buckets, cfg.seed)
     tok, slot = (a > 0).nonzero(as_tuple=True)

@@ -80,7 +80,7 @@ def estimate(ix, units: list[WorkUnit] | None = None) -> dict[str, Any]:
     disk["faiss"] = n_seq * (pq_bytes + 8) + n_shards * template
     disk["post_offsets"] = n_shards * 4 * (K * n_cells + 1)
     disk["stats"] = 8 * (d * d + K * d + 4 * K + 3)  # the index's, folded from the shards'
-    disk["calibration+tables"] = 4 * (d * d + K * d + cfg.code_subquantizers * (1 << cfg.code_bits) * d
+    disk["calibration+tables"] = 4 * (d * d + K * d + 2 * cfg.code_subquantizers * (1 << cfg.code_bits) * d
                                       // cfg.code_subquantizers + n_cells * d) + 64 * K + 32 * mc.vocab_size
     max_unit_tok = int(max((u.bytes for u in units), default=0) * n_tok_s / text_bytes)
     memory = {

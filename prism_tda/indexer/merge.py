@@ -70,6 +70,9 @@ def merge_shards(real: Path, out_dir: Path, unit: int) -> layout.ShardInfo:
 
     for name in ("tokens", "protos", "acts", "codes", "seq_start", "seq_last_target"):
         sizes[name] = layout.write_array(layout.array_file(out_dir, name), np.concatenate(load(name)))
+    dirs = [np.unpackbits(np.load(f), count=s.n_tokens).astype(bool) if (f := layout.array_file(d, "code_dir")).is_file()
+            else np.zeros(s.n_tokens, dtype=bool) for d, s in zip(parts, infos, strict=True)]
+    sizes["code_dir"] = layout.write_array(layout.array_file(out_dir, "code_dir"), np.packbits(np.concatenate(dirs)))
     scale = infos[0].self_scale
     sizes["self"] = layout.write_array(layout.array_file(out_dir, "self"), np.concatenate(
         [(a.astype(np.float32) * (s.self_scale / scale)).astype(np.float16) for a, s in zip(load("self"), infos, strict=True)]))
@@ -131,7 +134,8 @@ def merge_shards(real: Path, out_dir: Path, unit: int) -> layout.ShardInfo:
         shutil.copy2(parts[0] / layout.STATS, out_dir / layout.STATS)
         sizes["stats"] = (out_dir / layout.STATS).stat().st_size
     info = layout.ShardInfo(unit=unit, n_docs=int(doc_off[-1]), n_seqs=int(seq_off[-1]), n_tokens=int(tok_off[-1]),
-                            self_scale=scale, bytes=sizes, corpus={}, seconds=sum(s.seconds for s in infos))
+                            self_scale=scale, bytes=sizes, corpus={}, seconds=sum(s.seconds for s in infos),
+                            stats={"direction_codes": int(sum(int(d.sum()) for d in dirs))})
     layout.write_shard_info(out_dir, info)
     return info
 

@@ -297,6 +297,8 @@ class Indexer:
             "bytes_per_token": {k: v / max(n_tok, 1) for k, v in by_file.items()},
             "total_bytes_per_token": sum(by_file.values()) / max(n_tok, 1),
             "mean_loss": float(total.scalars[1]) / max(n_tok, 1),
+            # tokens whose codes are of their direction (confidently predicted: engine/codec.py)
+            "direction_code_share": sum(int(s.stats.get("direction_codes", 0)) for s in m.shards) / max(n_tok, 1),
             "R1bar": float(total.max_cos.mean()), "R2": float(total.scalars[2]) / max(n_tok, 1),
             **usage, "damping": float(calib.curvature.damping),
             "calibration": {"tokens": m.calibration.tokens if m.calibration else 0,

@@ -182,6 +182,7 @@ class ShardBuilder:
         acts = arrays.new("acts", np.uint8, (N, k))
         codes = arrays.new("codes", np.uint8, (N, self.codec.code_bytes))
         self_raw = np.zeros(N, dtype=np.float32)
+        code_dir = np.zeros(N, dtype=bool)
         post_proto, post_cell, post_share, post_tok = [], [], [], []
         index = faiss.read_index(str(self.faiss_template))
         stats = CurvatureStats(self.K, self.d)
@@ -199,7 +200,7 @@ class ShardBuilder:
             tokens[rows] = tb.token_ids.cpu().numpy()
             protos[rows] = p.numpy()
             acts[rows] = self.calib.quantize_acts(a, p)
-            codes[rows] = self.codec.encode(ut, tb.targets)
+            codes[rows], code_dir[rows] = self.codec.encode(ut, tb.targets)
             # each active prototype's part of I(t, t) = sum_i a_i^2 sum_j (Q^T u)_j^2 / (lam_ij + lam)
             part = a.pow(2) * torch.einsum("nd,nkd->nk", utc.pow(2), self.inv[p])  # (n, k)
             total = part.sum(1)
@@ -234,6 +235,7 @@ class ShardBuilder:
         positive = self_raw[self_raw > 0]
         self_scale = float(np.median(positive)) if len(positive) else 1.0
         sizes["self"] = write_array(array_file(out, "self"), (self_raw / self_scale).astype(np.float16))
+        sizes["code_dir"] = write_array(array_file(out, "code_dir"), np.packbits(code_dir))
         sizes.update(arrays.publish())
         last_target = np.array([y[-1] for y in tgts], dtype=self.tok_dtype)
         for name, arr in (("seq_tok0", tok0), ("seq_doc", np.asarray(seq_doc, np.int32)),
@@ -254,7 +256,8 @@ class ShardBuilder:
                          bytes=sizes, corpus={**cstats.to_dict(), "trained_documents": int(docs["trained"].to_numpy().sum()),
                                               "outside_record": self.outside_record},
                          seconds=round(time.perf_counter() - t_start, 3),
-                         stats={"loss_sum": float(stats.scalars[1]), "top_cos_sum": float(stats.scalars[2])})
+                         stats={"loss_sum": float(stats.scalars[1]), "top_cos_sum": float(stats.scalars[2]),
+                                "direction_codes": int(code_dir.sum())})
         write_shard_info(out, info)
         assert dir_bytes(out) > 0
         return info

@@ -91,7 +91,7 @@ def test_approximate_scores_track_the_exact_ones(att):
     assert np.corrcoef(ap.cos, ex.cos)[0, 1] > 0.9
     # the lookup-table scores are the scores of the decoded token vectors
     data = att.reader.token_data(ex.tok)
-    dec = score_tokens(ex.tok, data.protos, data.acts, att.reader.token_vectors(ex.tok, data.targets),
+    dec = score_tokens(ex.tok, data.protos, data.acts, att.reader.token_vectors(ex.tok, data),
                   data.self_influence, q.G, pre, exact=False)
     np.testing.assert_allclose(ap.raw, dec.raw, rtol=1e-4, atol=1e-6 * np.abs(dec.raw).max())
     np.testing.assert_allclose(ap.slot_val, dec.slot_val, rtol=1e-3, atol=1e-6 * np.abs(dec.slot_val).max())

@@ -34,7 +34,7 @@ def test_codes_are_each_sub_vector_s_nearest_centroid(bits):
     ut = torch.randn(N, d, generator=g)
     x = ((ut + W[y] @ Q) * scale).view(N, n_sub, -1)
     want = torch.stack([torch.cdist(x[:, j], cents[j]).argmin(1) for j in range(n_sub)], 1).numpy()
-    got = unpack(codec.encode(ut, y), bits, n_sub)
+    got = unpack(codec.encode(ut, y)[0], bits, n_sub)
     assert (got == want).mean() > 0.999  # float ties aside
 
 
@@ -46,11 +46,43 @@ def test_codec_keeps_the_target_row_exact_and_the_rest_close():
     m = torch.randn(N, d, generator=g) * 0.3  # the expected embeddings, in the Q basis
     ut = m - W[y] @ Q  # Q^T u = Q^T (W^T p - W[y])
     codec = TokenCodec.train(m, torch.ones(d), W, Q, n_sub=4, bits=8, seed=0)
-    dec = codec.decode(codec.encode(ut, y), y.numpy())
+    codes, is_dir = codec.encode(ut, y)
+    assert not is_dir.any()  # no direction codebook: every token stores m_t
+    dec = codec.decode(codes, y.numpy())
     # the error is the quantisation error of m alone, far below the size of u
     err = (dec - ut).norm(dim=1) / ut.norm(dim=1)
     assert float(err.mean()) < 0.15
     assert float(((dec - ut) - (m - m)).norm(dim=1).mean()) <= float((m - 0).norm(dim=1).mean())
+
+
+def test_direction_codes_keep_the_direction_of_small_token_vectors():
+    """Confidently predicted tokens (u_t tiny beside m_t) store their direction; the m_t codes would
+    leave an error larger than u_t itself. With the length the reader restores, their vectors stay
+    close; large vectors keep the m_t codes."""
+    g = torch.Generator().manual_seed(3)
+    V, d, N = 50, 16, 4000
+    W, Q = torch.randn(V, d, generator=g), torch.linalg.qr(torch.randn(d, d, generator=g))[0]
+    y = torch.randint(0, V, (N,), generator=g)
+    m = torch.randn(N, d, generator=g) * 0.3
+    small = torch.arange(N) % 2 == 0  # half the tokens: u_t = 1e-3 x a random direction (memorised)
+    ut = torch.where(small[:, None], 1e-3 * torch.randn(N, d, generator=g), m - W[y] @ Q)
+    m = ut + W[y] @ Q
+    plain = TokenCodec.train(m, torch.ones(d), W, Q, n_sub=4, bits=8, seed=0)
+    mixed = TokenCodec.train(m, torch.ones(d), W, Q, n_sub=4, bits=8, seed=0, u=ut)
+    codes, is_dir = mixed.encode(ut, y)
+    assert is_dir[small.numpy()].mean() > 0.99 and is_dir[~small.numpy()].mean() < 0.05
+    dec = mixed.decode(codes, y.numpy(), is_dir)
+    at = torch.from_numpy(is_dir)
+    norms = dec[at].norm(dim=1)  # about unit length (the reader sets the length from the stored I(t, t))
+    assert abs(float(norms.mean()) - 1) < 0.1 and float((norms - 1).abs().max()) < 0.35
+    dec[at] *= (ut[at].norm(dim=1) / norms)[:, None]
+    cos_mixed = torch.nn.functional.cosine_similarity(dec[small], ut[small], dim=1)
+    cos_plain = torch.nn.functional.cosine_similarity(plain.decode(plain.encode(ut, y)[0], y.numpy())[small],
+                                                      ut[small], dim=1)
+    assert float(cos_mixed.mean()) > 0.9 and float(cos_plain.mean()) < 0.5
+    # the large vectors are coded as before
+    big = ~small & ~at
+    assert torch.equal(dec[big], plain.decode(plain.encode(ut, y)[0], y.numpy())[big])
 
 
 def test_identity_sketch_is_exact():

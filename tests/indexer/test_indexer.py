@@ -91,7 +91,7 @@ def test_stored_rows_are_the_models_own(index, tiny_ckpt):
             exact_self = float((tb.acts[t] ** 2 * (ut[t] ** 2 * inv[tb.proto_idx[t]]).sum(1)).sum())
             assert data.self_influence[t] == pytest.approx(exact_self, rel=2e-3)
             checked += 1
-        dec = r.token_vectors(rows, data.targets)
+        dec = r.token_vectors(rows, data)
         cosines += torch.nn.functional.cosine_similarity(dec, ut, dim=1).tolist()
     assert checked > 500
     assert np.mean(cosines) > 0.9  # 8-bit product codes of the expected embedding, target row exact
