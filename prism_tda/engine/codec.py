@@ -198,12 +198,16 @@ class TokenCodec:
         codes = unpack_torch(packed, self.bits, self.n_sub)  # (N, n_sub)
         k = self.centroids.shape[1]
         idx = codes + torch.arange(self.n_sub) * k  # rows of the flattened codebooks
-        m = torch.nn.functional.embedding(idx, self._flat_centroids).reshape(len(codes), len(self.scale))
+        out = torch.empty(len(codes), len(self.scale))
+        dirs = np.zeros(len(codes), dtype=bool) if is_dir is None else np.asarray(is_dir, dtype=bool)
         with torch.no_grad():
-            out = m - self.target_rows(torch.from_numpy(targets.astype(np.int64))).cpu()
-            if is_dir is not None and is_dir.any():
+            if not dirs.all():
+                at = torch.from_numpy(np.nonzero(~dirs)[0])
+                m = torch.nn.functional.embedding(idx[at], self._flat_centroids).reshape(len(at), -1)
+                out[at] = m - self.target_rows(torch.from_numpy(targets[~dirs].astype(np.int64))).cpu()
+            if dirs.any():
                 assert self._flat_dir_centroids is not None, "direction codes without a direction codebook"
-                at = torch.from_numpy(np.nonzero(is_dir)[0])
+                at = torch.from_numpy(np.nonzero(dirs)[0])
                 out[at] = torch.nn.functional.embedding(idx[at], self._flat_dir_centroids).reshape(len(at), -1)
         return out
 

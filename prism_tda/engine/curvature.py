@@ -108,5 +108,8 @@ class CurvatureStats:
 def self_influence(U: torch.Tensor, protos: np.ndarray, acts: np.ndarray, inv: torch.Tensor) -> np.ndarray:
     """I(t, t) = sum_i a_{t,i}^2 sum_j u_j^2 / (lam_ij + lam) of tokens (n, d) with their prototypes."""
     u2 = U.float().pow(2)  # (n, d)
-    per = torch.einsum("nd,nkd->nk", u2, inv[torch.from_numpy(protos)])
-    return (torch.from_numpy(acts).float().pow(2) * per).sum(1).double().numpy()
+    P, A2 = torch.from_numpy(np.asarray(protos, np.int64)), torch.from_numpy(np.asarray(acts, np.float32)).pow(2)
+    out = torch.zeros(len(u2), dtype=torch.float64)
+    for j in range(P.shape[1]):  # one slot at a time: (n, d) gathers stay in cache (3x a (n, k, d) gather)
+        out += (A2[:, j] * (u2 * inv.index_select(0, P[:, j])).sum(1)).double()
+    return out.numpy()

@@ -152,18 +152,21 @@ def approx_scores(reader: IndexReader, G: torch.Tensor, pre: Preconditioner, tok
         t_r = rows[r]  # the hit's token
         p = torch.from_numpy(c[t_r, j])
         # flat gathers: the hit's row of each table, then its code's (or target's) column
-        m_idx = p[:, None] * m_tab.shape[1] + torch.from_numpy(codes[r])
-        m_part = torch.take(m_tab, m_idx).sum(1)  # Wq_p . m_t
-        y_part = torch.take(y_tab, p * y_tab.shape[1] + torch.from_numpy(data.targets[t_r]))  # Wq_p . Q^T W[y_t]
-        val = m_part - y_part
-        dirs = reader.token_code_dirs(tok[rows]) if d_tab is not None else None
-        if dirs is not None and dirs.any():  # direction codes: Wq_p . (unit direction) x the token's length
+        idx = p[:, None] * m_tab.shape[1] + torch.from_numpy(codes[r])
+        dirs = reader.token_code_dirs(tok[rows]) if d_tab is not None else np.zeros(len(rows), dtype=bool)
+        val = torch.empty(len(r))
+        h = torch.from_numpy(np.nonzero(~dirs[r])[0])  # hits of tokens stored by m_t's codes
+        m_part = torch.take(m_tab, idx[h]).sum(1)  # Wq_p . m_t
+        y_part = torch.take(y_tab, p[h] * y_tab.shape[1] + torch.from_numpy(data.targets[t_r[h.numpy()]]))  # Wq_p . Q^T W[y_t]
+        val[h] = m_part - y_part
+        if dirs.any():  # direction codes: Wq_p . (unit direction) x the token's length
+            assert d_tab is not None
             at = np.nonzero(dirs)[0]
             length = np.zeros(len(rows), dtype=np.float32)
             length[at] = reader.direction_lengths(packed[at], data.protos[rows[at]], data.acts[rows[at]],
                                                   data.targets[rows[at]], data.self_influence[rows[at]])
-            d_part = torch.take(d_tab, m_idx).sum(1) * torch.from_numpy(length[r])
-            val = torch.where(torch.from_numpy(dirs[r]), d_part, val)
+            h = torch.from_numpy(np.nonzero(dirs[r])[0])
+            val[h] = torch.take(d_tab, idx[h]).sum(1) * torch.from_numpy(length[r[h.numpy()]])
         slot_val[t_r, j] = data.acts[t_r, j] * val.numpy()
     raw = slot_val.sum(1).astype(np.float64)
     cos = raw / np.sqrt(max(pre.self_influence(G), 1e-30) * np.maximum(data.self_influence, 1e-30))
