@@ -134,6 +134,15 @@ def main(argv: list[str] | None = None) -> dict:
         row["bm25"] = rank_of([ext[i] for i in np.argsort(-scores)[:50]], wanted)
         rows.append(row)
 
+    # near-ties of the exact ranking (more than 10 documents within 0.1% of the 10th-best score), per
+    # aggregation, over the documents the checkpoint trained on
+    def near_ties(sc: np.ndarray, k: int = 10) -> int:
+        s = np.sort(np.where(trained, sc, -np.inf))[::-1]
+        kth = float(s[k - 1])
+        return int((s >= kth - 1e-3 * abs(kth)).sum()) if np.isfinite(kth) else 0
+
+    ties = {agg: [near_ties(e[agg]) for e in exact_all] for agg in exact_all[0]} if exact_all else {}
+
     def group(method: str, kind: str, mem: bool | None = None) -> dict:
         return summarise([r[method] for r in rows if r["kind"] == kind and (mem is None or r["memorised"] == mem)])
 
@@ -148,6 +157,8 @@ def main(argv: list[str] | None = None) -> dict:
         "canary_recall_at_10_verbatim_memorised": pm["fast"]["verbatim_memorised"]["recall_at_10"],
         "candidate_recall_of_exact_top10_memorised": float(np.mean([r["candidate_recall_of_exact_top10"]
                                                                      for r in rows if r["memorised"]] or [np.nan])),
+        "near_tie_query_share": float(np.mean([n > 10 for n in ties.get("cosine_max", [])] or [np.nan])),
+        "near_tie_query_share_by_aggregation": {a: float(np.mean([n > 10 for n in v])) for a, v in ties.items()},
         "canary_mrr_verbatim_fast": pm["fast"]["verbatim"]["mrr"],
         "canary_mrr_verbatim_exact": pm["exact"]["verbatim"]["mrr"],
         "canary_mrr_verbatim_bm25": pm["bm25"]["verbatim"]["mrr"],
