@@ -135,13 +135,18 @@ def main(argv: list[str] | None = None) -> dict:
         rows.append(row)
 
     # near-ties of the exact ranking (more than 10 documents within 0.1% of the 10th-best score), per
-    # aggregation, over the documents the checkpoint trained on
-    def near_ties(sc: np.ndarray, k: int = 10) -> int:
-        s = np.sort(np.where(trained, sc, -np.inf))[::-1]
+    # aggregation, over the documents the checkpoint trained on other than the fact's copies (identical
+    # copies tie by construction)
+    ext_arr = np.asarray(ext, dtype=object)
+
+    def near_ties(sc: np.ndarray, wanted: set[str], k: int = 10) -> int:
+        keep = trained & ~np.isin(ext_arr, list(wanted))
+        s = np.sort(np.where(keep, sc, -np.inf))[::-1]
         kth = float(s[k - 1])
         return int((s >= kth - 1e-3 * abs(kth)).sum()) if np.isfinite(kth) else 0
 
-    ties = {agg: [near_ties(e[agg]) for e in exact_all] for agg in exact_all[0]} if exact_all else {}
+    ties = {agg: [near_ties(e[agg], w) for e, (_, _, _, w, _) in zip(exact_all, queries, strict=True)]
+            for agg in exact_all[0]} if exact_all else {}
 
     def group(method: str, kind: str, mem: bool | None = None) -> dict:
         return summarise([r[method] for r in rows if r["kind"] == kind and (mem is None or r["memorised"] == mem)])
