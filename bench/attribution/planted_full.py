@@ -135,12 +135,14 @@ def main(argv: list[str] | None = None) -> dict:
         rows.append(row)
 
     # near-ties of the exact ranking (more than 10 documents within 0.1% of the 10th-best score), per
-    # aggregation, over the documents the checkpoint trained on other than the fact's copies (identical
-    # copies tie by construction)
+    # aggregation, over the documents the checkpoint trained on, one per distinct text (identical
+    # copies, planted or not, tie by construction) and the fact's own copies left out
     ext_arr = np.asarray(ext, dtype=object)
+    first_of_text = np.zeros(len(ext_arr), dtype=bool)
+    first_of_text[np.unique(np.asarray(docs["text"], dtype=object), return_index=True)[1]] = True
 
     def near_ties(sc: np.ndarray, wanted: set[str], k: int = 10) -> int:
-        keep = trained & ~np.isin(ext_arr, list(wanted))
+        keep = trained & first_of_text & ~np.isin(ext_arr, list(wanted))
         s = np.sort(np.where(keep, sc, -np.inf))[::-1]
         kth = float(s[k - 1])
         return int((s >= kth - 1e-3 * abs(kth)).sum()) if np.isfinite(kth) else 0
