@@ -9,6 +9,7 @@ import numpy as np
 from prism_tda.engine import Attributor, QueryOptions, QuerySpec, layout
 from prism_tda.engine.reader import IndexReader
 from prism_tda.engine.reads import document_table
+from prism_tda.engine.scoring import approx_scores
 from prism_tda.indexer.merge import merge_index
 
 SPECS = [QuerySpec("A computer", " is a"), QuerySpec("Love is", " a")]
@@ -29,6 +30,13 @@ def test_an_index_merged_into_one_shard_answers_as_the_original(index, tmp_path)
         fa = {d.doc_id for d in a.attribute(spec, QueryOptions(n_documents=8)).documents}
         fb = {d.doc_id for d in b.attribute(spec, QueryOptions(n_documents=8)).documents}
         assert len(fa & fb) >= 6  # the first stages see the same rows (their ties may fall apart)
+    # the stored codes read the same, direction-coded tokens included (their bits merged in row order)
+    rows = np.arange(a.reader.n_tokens)
+    dirs = a.reader.token_code_dirs(rows)
+    assert dirs.any() and np.array_equal(dirs, b.reader.token_code_dirs(rows))
+    q, pre_a, pre_b = a.encode(SPECS[0]), a.preconditioner(), b.preconditioner()
+    np.testing.assert_allclose(approx_scores(a.reader, q.G, pre_a, rows).raw, approx_scores(b.reader, q.G, pre_b, rows).raw,
+                               rtol=1e-3, atol=1e-6)
     # done already: the same directory is kept
     assert merge_index(index, tmp_path / "merged") == merged
 
