@@ -110,16 +110,17 @@ class TokenCodec:
     def has_directions(self) -> bool:
         return self.dir_centroids is not None
 
-    def lookup_tables(self, Wq: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    def lookup_tables(self, Wq: torch.Tensor, directions: bool = True
+                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """For query columns ``Wq`` (P, d): (P, n_sub * 2^bits) each column's product with every
         centroid of its sub-vector (so ``Wq_p . m_t`` is the sum of ``n_sub`` entries, one per code),
         (P, V) each column's product with every target row ``Q^T W[y]``, and (P, n_sub * 2^bits) the
-        same as the first for the direction codebook (None without one)."""
+        same as the first for the direction codebook (None without one, or unless ``directions``)."""
         n_sub, k, ds = self.centroids.shape
         Wv = Wq.float().view(len(Wq), n_sub, ds)
         m_tab = torch.einsum("psd,skd->psk", Wv, self._flat_centroids.view(n_sub, k, ds)).reshape(len(Wq), n_sub * k)
         d_tab = None
-        if self._flat_dir_centroids is not None:
+        if directions and self._flat_dir_centroids is not None:
             d_tab = torch.einsum("psd,skd->psk", Wv, self._flat_dir_centroids.view(n_sub, k, ds)).reshape(
                 len(Wq), n_sub * k)
         return m_tab, Wq.float() @ self._WQ.T, d_tab

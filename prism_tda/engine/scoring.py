@@ -131,8 +131,7 @@ def approx_scores(reader: IndexReader, G: torch.Tensor, pre: Preconditioner, tok
     one per sub-quantiser (asymmetric scoring), and its product with ``W[y_t]`` one lookup; only
     the tokens that share a prototype with the query are touched. A token stored by its direction
     (``engine/codec.py``) looks up the direction codebook's table and is scaled by its length, which
-    needs its direction decoded. Other dampings need ``I(t, t)``
-    recomputed, so they decode."""
+    needs its direction decoded. Other dampings need ``I(t, t)`` recomputed, so they decode."""
     data = reader.token_data(tok)
     if not pre.is_index_default:
         U = reader.token_vectors(tok, data)
@@ -145,7 +144,9 @@ def approx_scores(reader: IndexReader, G: torch.Tensor, pre: Preconditioner, tok
     slot_val = np.zeros(data.protos.shape, dtype=np.float32)
     if len(rows):
         codec = reader.codec
-        m_tab, y_tab, d_tab = codec.lookup_tables(Wq)  # (P, n_sub * 2^bits), (P, V), direction codebook's
+        dirs = reader.token_code_dirs(tok[rows]) if codec.has_directions else np.zeros(len(rows), dtype=bool)
+        # (P, n_sub * 2^bits), (P, V), and the direction codebook's table when a token needs it
+        m_tab, y_tab, d_tab = codec.lookup_tables(Wq, directions=bool(dirs.any()))
         packed = reader.token_codes(tok[rows])
         codes = codec.flat_codes(packed)  # (n_rows, n_sub) rows of m_tab (and of d_tab)
         r, j = np.nonzero(hit[rows])
@@ -153,7 +154,6 @@ def approx_scores(reader: IndexReader, G: torch.Tensor, pre: Preconditioner, tok
         p = torch.from_numpy(c[t_r, j])
         # flat gathers: the hit's row of each table, then its code's (or target's) column
         idx = p[:, None] * m_tab.shape[1] + torch.from_numpy(codes[r])
-        dirs = reader.token_code_dirs(tok[rows]) if d_tab is not None else np.zeros(len(rows), dtype=bool)
         val = torch.empty(len(r))
         h = torch.from_numpy(np.nonzero(~dirs[r])[0])  # hits of tokens stored by m_t's codes
         m_part = torch.take(m_tab, idx[h]).sum(1)  # Wq_p . m_t
