@@ -204,17 +204,15 @@ class IndexReader(IndexWide):
             out[at] = self.shard(s).code_dirs(local)
         return out
 
-    @functools.cached_property
-    def _index_inv(self) -> torch.Tensor:
-        return self.inv(self.cfg.damping)
-
     def direction_lengths(self, packed: np.ndarray, protos: np.ndarray, acts: np.ndarray, targets: np.ndarray,
-                          stored_self: np.ndarray) -> np.ndarray:
+                          stored_self: np.ndarray, index_inv: torch.Tensor | None = None) -> np.ndarray:
         """(n,) the length of each direction-coded token vector (packed codes, active prototypes and
         activations, targets, stored ``I(t, t)``): the one that gives its decoded direction the stored
-        ``I(t, t)``, which the index keeps exactly (the codes hold no length)."""
+        ``I(t, t)``, which the index keeps exactly (the codes hold no length). ``index_inv``: the
+        curvature at the index's damping, when the caller holds it."""
         unit = self.codec.decode(packed, targets, np.ones(len(packed), dtype=bool))
-        i_unit = self_influence(unit, protos, acts, self._index_inv)
+        inv = index_inv if index_inv is not None else self.inv(self.cfg.damping)
+        i_unit = self_influence(unit, protos, acts, inv)
         return np.sqrt(stored_self / np.maximum(i_unit, 1e-30)).astype(np.float32)
 
     def token_vectors(self, tok: np.ndarray, data: TokenData | None = None) -> torch.Tensor:

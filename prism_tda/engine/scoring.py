@@ -164,7 +164,7 @@ def approx_scores(reader: IndexReader, G: torch.Tensor, pre: Preconditioner, tok
             at = np.nonzero(dirs)[0]
             length = np.zeros(len(rows), dtype=np.float32)
             length[at] = reader.direction_lengths(packed[at], data.protos[rows[at]], data.acts[rows[at]],
-                                                  data.targets[rows[at]], data.self_influence[rows[at]])
+                                                  data.targets[rows[at]], data.self_influence[rows[at]], pre.inv)
             h = torch.from_numpy(np.nonzero(dirs[r])[0])
             val[h] = torch.take(d_tab, idx[h]).sum(1) * torch.from_numpy(length[r[h.numpy()]])
         slot_val[t_r, j] = data.acts[t_r, j] * val.numpy()
