@@ -15,7 +15,7 @@ import numpy as np
 import torch
 
 
-def finish(res: dict, script: str, argv: list[str] | None, out: str) -> dict:
+def finish(res: dict, script: str, argv: list[str] | None, out: str, hide: tuple[str, ...] = ()) -> dict:
     res.setdefault("machine", {}).update({
         "platform": platform.platform(), "torch": torch.__version__, "threads": torch.get_num_threads(),
         "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
@@ -26,7 +26,7 @@ def finish(res: dict, script: str, argv: list[str] | None, out: str) -> dict:
     res["date"] = dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")
     Path(out).parent.mkdir(parents=True, exist_ok=True)
     Path(out).write_text(json.dumps(res, indent=2))
-    print(json.dumps({k: v for k, v in res.items() if k not in ("config", "machine")}, indent=2))
+    print(json.dumps({k: v for k, v in res.items() if k not in ("config", "machine", *hide)}, indent=2))
     return res
 
 

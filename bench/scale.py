@@ -22,7 +22,7 @@ of the fast path with the exact ranking (every token recomputed) is measured in-
 real size.
 
     python -m bench.scale_corpus --out runs/scale/corpus
-    prism index --checkpoint runs/demo/latest --out runs/scale/real --set index.shard_bytes=3145728 \\
+    prism index --checkpoint runs/demo --out runs/scale/real --set index.shard_bytes=3145728 \\
         --corpus runs/scale/corpus/part-000.jsonl runs/scale/corpus/part-001.jsonl runs/scale/corpus/part-002.jsonl
     python -m bench.scale --real runs/scale/real --work runs/scale
 

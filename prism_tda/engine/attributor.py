@@ -143,12 +143,13 @@ class Attributor:
             seqs = self.candidate_sequences(q, opt.n_candidates, pre, opt.nprobe, ctx)
         if ctx is not None:
             ctx.candidates_ms = 1e3 * (time.perf_counter() - t0)
-        # the shortlist ranks the approximate scores (cosine_match: by the whole target's best token)
-        shortlist_by = "cosine_max" if opt.aggregation == "cosine_match" else opt.aggregation
+        # the shortlist ranks the approximate scores under the query's aggregation (cosine_match: each
+        # target token's cosines from the decoded token vectors)
         m = opt.exact_tokens if opt.aggregation.endswith("_max") else None
         match = q if opt.aggregation == "cosine_match" else None
-        short = self.shards.shortlist(q.G, pre, seqs, shortlist_by, opponents=opt.opponents,
-                                      n=max(opt.exact_rerank, opt.n_documents), m=m, match=match is not None,
+        short = self.shards.shortlist(q.G, pre, seqs, opt.aggregation, opponents=opt.opponents,
+                                      n=max(opt.exact_rerank, opt.n_documents), m=m,
+                                      match=None if match is None else match.targets,
                                       include_untrained=opt.include_untrained, ctx=ctx)
         best_seqs = short.best_seq
         tokens = None if m is None else np.sort(np.concatenate([np.zeros(0, np.int64), *short.tokens]))
@@ -328,10 +329,12 @@ class Attributor:
             self._check_exact()
             return exhaustive(self.model, self.reader, [q], pre, match=match)[0].scores(1.0)
         opt = QueryOptions(n_candidates=n_candidates, damping=damping, exact_rerank=exact_rerank,
+                           aggregation="cosine_match" if match else "cosine_max",
                            include_untrained=True)  # every document: the caller decides which count
         local = self.local_reader("document_scores")
         seqs = self.candidate_sequences(q, n_candidates, pre)
-        out = document_scores(self.reader, approx_scores(local, q.G, pre, local.rows_of_sequences(seqs)))
+        out = document_scores(self.reader, approx_scores(local, q.G, pre, local.rows_of_sequences(seqs),
+                                                         match=q.targets if match else None))
         exact, _, _ = self._fast(q, opt, pre, seqs=seqs)
         ex = document_scores(self.reader, exact)
         hit = np.zeros(self.reader.n_docs, dtype=bool)

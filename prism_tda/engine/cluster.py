@@ -34,6 +34,7 @@ import torch
 from prism_tda.errors import PrismError, ShardUnavailable, check_stop
 
 from .candidates import PostingPlan
+from .query import Targets
 from .reads import IndexWide, read_complete_manifest
 from .scoring import Preconditioner, PreconditionerCache
 from .shards import (
@@ -228,7 +229,7 @@ class RayShards:
         return merge_search([p[0] for p in parts], n), merge_best_tokens([p[1] for p in parts], n_tokens)
 
     def shortlist(self, G: torch.Tensor, pre: Preconditioner, seqs: np.ndarray, aggregation: Aggregation, *,
-                  opponents: bool, n: int, m: int | None, match: bool, include_untrained: bool,
+                  opponents: bool, n: int, m: int | None, match: Targets | None, include_untrained: bool,
                   ctx: CallContext | None = None) -> Shortlist:
         kw = dict(opponents=opponents, n=n, m=m, match=match, include_untrained=include_untrained)
         parts = self.call({g: ("shortlist", (G, pre.damping, s, aggregation), kw)

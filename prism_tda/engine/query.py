@@ -35,6 +35,26 @@ class Tokens:
 
 
 @dataclass
+class Targets:
+    """Each target token's active prototypes, activations and ``Q^T u``: its own part of ``G``."""
+
+    protos: torch.Tensor  # (n_targets, k)
+    acts: torch.Tensor  # (n_targets, k)
+    u: torch.Tensor  # (n_targets, u_dim)
+    n_prototypes: int
+
+    @property
+    def n_targets(self) -> int:
+        return len(self.protos)
+
+    def target_G(self, j: int) -> torch.Tensor:
+        """Target token ``j``'s part of ``G`` (K, u_dim): the gradient of its loss alone."""
+        G = torch.zeros(self.n_prototypes, self.u.shape[1], dtype=self.u.dtype)
+        G.index_add_(0, self.protos[j], self.acts[j, :, None] * self.u[j][None, :])
+        return G
+
+
+@dataclass
 class Query:
     spec: QuerySpec
     token_ids: list[int]  # prompt + target, as run through the model
@@ -55,9 +75,12 @@ class Query:
 
     def target_G(self, j: int) -> torch.Tensor:
         """Target token ``j``'s part of ``G`` (K, u_dim): the gradient of its loss alone."""
-        G = torch.zeros_like(self.G)
-        G.index_add_(0, self.target_protos[j], self.target_acts[j, :, None] * self.target_u[j][None, :])
-        return G
+        return self.targets.target_G(j)
+
+    @property
+    def targets(self) -> Targets:
+        """The target tokens' own parts of ``G`` (what ``cosine_match`` needs where the shards are)."""
+        return Targets(self.target_protos, self.target_acts, self.target_u, self.G.shape[0])
 
     @property
     def prototypes(self) -> torch.Tensor:

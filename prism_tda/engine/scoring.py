@@ -28,7 +28,7 @@ from prism_tda.model import PRISM
 
 from .aggregate import DocumentTotals
 from .curvature import self_influence
-from .query import Query
+from .query import Query, Targets
 from .reader import IndexReader
 from .reads import Reads
 from .tokens import run_batch
@@ -113,17 +113,67 @@ def score_tokens(tok: np.ndarray, protos: np.ndarray, acts: np.ndarray, U: torch
     return TokenScores(tok, raw, cos, protos, slot_val, exact)
 
 
-def match_cosines(protos: np.ndarray, acts: np.ndarray, U: torch.Tensor, t_self: np.ndarray, q: Query,
-                  pre: Preconditioner) -> np.ndarray:
-    """(n, n_targets): each token's cosine with each target token's own gradient (``cosine_match``)."""
-    out = np.zeros((len(t_self), q.n_targets))
-    tok = np.zeros(len(t_self), dtype=np.int64)
-    for j in range(q.n_targets):
-        out[:, j] = score_tokens(tok, protos, acts, U, t_self, q.target_G(j), pre, exact=True).cos
+@dataclass
+class TargetColumns:
+    """Each target token's own preconditioned gradient columns, stacked: target j's column for
+    prototype p is row ``col[j, p]`` of ``W`` (-1: p is not active on j); ``self_j`` = I(g_j, g_j)."""
+
+    col: np.ndarray  # (n_targets, K)
+    W: torch.Tensor  # (pairs, d)
+    self_j: np.ndarray  # (n_targets,)
+
+    @classmethod
+    def of(cls, q: Query | Targets, pre: Preconditioner) -> TargetColumns:
+        T, K = q.n_targets, pre.inv.shape[0]
+        Gs = torch.stack([q.target_G(j) for j in range(T)])  # (T, K, d)
+        Ws = Gs * pre.inv[None]
+        live = Gs.abs().sum(2) > 0  # (T, K)
+        j, p = live.nonzero(as_tuple=True)
+        col = np.full((T, K), -1, dtype=np.int64)
+        col[j.numpy(), p.numpy()] = np.arange(len(j))
+        return cls(col, Ws[j, p].float(), (Ws * Gs).sum((1, 2)).double().numpy())
+
+
+def target_raw(cols: TargetColumns, protos: np.ndarray, acts: np.ndarray, M: np.ndarray) -> np.ndarray:
+    """(n, n_targets) each token's influence with each target token's own gradient, from ``M`` (n, pairs):
+    each token's product with every (target, prototype) column of ``cols``."""
+    n, k = protos.shape
+    out = np.zeros((n, cols.col.shape[0]))
+    rows = np.arange(n)
+    for s in range(k):
+        c = cols.col[:, protos[:, s]]  # (T, n)
+        hit = c >= 0
+        v = np.where(hit, M[rows[None, :], np.where(hit, c, 0)], 0.0)  # (T, n)
+        out += (acts[:, s][None, :] * v).T
     return out
 
 
-def approx_scores(reader: IndexReader, G: torch.Tensor, pre: Preconditioner, tok: np.ndarray) -> TokenScores:
+def match_cosines(protos: np.ndarray, acts: np.ndarray, U: torch.Tensor, t_self: np.ndarray, q: Query | Targets,
+                  pre: Preconditioner, cols: TargetColumns | None = None) -> np.ndarray:
+    """(n, n_targets): each token's cosine with each target token's own gradient (``cosine_match``):
+    one product of the token vectors with every (target, prototype) column."""
+    cols = cols or TargetColumns.of(q, pre)
+    raw = target_raw(cols, protos, acts, (U.float() @ cols.W.T).numpy())
+    return raw / np.sqrt(np.maximum(cols.self_j, 1e-30)[None, :] * np.maximum(t_self, 1e-30)[:, None])
+
+
+def approx_match(reader: IndexReader, scores: TokenScores, targets: Targets, pre: Preconditioner,
+                 t_self: np.ndarray) -> np.ndarray:
+    """(n, n_targets) approximate cosines of scored tokens with each target token's own gradient
+    (``cosine_match``), from their decoded vectors; 0 for tokens that share no prototype with the query
+    (their influence on every target token is 0)."""
+    cols = TargetColumns.of(targets, pre)
+    out = np.zeros((len(scores.tok), targets.n_targets))
+    rows = np.nonzero((scores.slot_val != 0).any(1))[0]
+    if len(rows):
+        data = reader.token_data(scores.tok[rows])
+        U = reader.token_vectors(scores.tok[rows], data)
+        out[rows] = match_cosines(data.protos, data.acts, U, t_self[rows], targets, pre, cols)
+    return out
+
+
+def approx_scores(reader: IndexReader, G: torch.Tensor, pre: Preconditioner, tok: np.ndarray,
+                  match: Targets | None = None) -> TokenScores:
     """Scores of the tokens ``tok`` (global rows, ascending) from the index's stored values.
 
     At the index's damping the token vectors are never decoded: with ``u_t = m_t - W[y_t]`` and
@@ -131,12 +181,16 @@ def approx_scores(reader: IndexReader, G: torch.Tensor, pre: Preconditioner, tok
     one per sub-quantiser (asymmetric scoring), and its product with ``W[y_t]`` one lookup; only
     the tokens that share a prototype with the query are touched. A token stored by its direction
     (``engine/codec.py``) looks up the direction codebook's table and is scaled by its length, which
-    needs its direction decoded. Other dampings need ``I(t, t)`` recomputed, so they decode."""
+    needs its direction decoded. Other dampings need ``I(t, t)`` recomputed, so they decode. With
+    ``match``, each token's cosine with each target token too (:func:`approx_match`)."""
     data = reader.token_data(tok)
     if not pre.is_index_default:
         U = reader.token_vectors(tok, data)
         t_self = self_influence(U, data.protos, data.acts, pre.inv)
-        return score_tokens(tok, data.protos, data.acts, U, t_self, G, pre, exact=False)
+        out = score_tokens(tok, data.protos, data.acts, U, t_self, G, pre, exact=False)
+        if match is not None:
+            out.match = approx_match(reader, out, match, pre, t_self)
+        return out
     col, Wq = _query_columns(G, pre)
     c = col[data.protos]  # (n, k)
     hit = (c >= 0) & (data.acts > 0)
@@ -170,7 +224,10 @@ def approx_scores(reader: IndexReader, G: torch.Tensor, pre: Preconditioner, tok
         slot_val[t_r, j] = data.acts[t_r, j] * val.numpy()
     raw = slot_val.sum(1).astype(np.float64)
     cos = raw / np.sqrt(max(pre.self_influence(G), 1e-30) * np.maximum(data.self_influence, 1e-30))
-    return TokenScores(tok, raw, cos, data.protos, slot_val, False)
+    out = TokenScores(tok, raw, cos, data.protos, slot_val, False)
+    if match is not None:
+        out.match = approx_match(reader, out, match, pre, data.self_influence)
+    return out
 
 
 def exact_scores(model: PRISM, reader: Reads, G: torch.Tensor, pre: Preconditioner, seqs: np.ndarray, *,

@@ -29,6 +29,7 @@ import torch
 from prism_tda.errors import check_stop
 
 from .candidates import PostingPlan, best_posting_tokens
+from .query import Targets
 from .reader import IndexReader
 from .scoring import Preconditioner, approx_scores, ranked_documents, trained_only
 from .steering import PrototypeMass, mass_of_tokens, token_weights
@@ -160,17 +161,18 @@ class ShardWorker:
 
     # ------------------------------------------------------------------------ shortlist
     def shortlist(self, G: torch.Tensor, pre: Preconditioner, seqs: np.ndarray, aggregation: Aggregation, *,
-                  opponents: bool, n: int, m: int | None, match: bool, include_untrained: bool) -> Shortlist:
+                  opponents: bool, n: int, m: int | None, match: Targets | None,
+                  include_untrained: bool) -> Shortlist:
         """The ``n`` best documents among the candidate sequences ``seqs`` (all in this worker's
         shards) by their approximate scores under ``aggregation``; for each, the rows of its best
         sequence to re-score exactly (the ``m`` best by approximate cosine; None: all) and, with
-        ``match``, every candidate sequence of it."""
+        ``match`` (the query's target tokens, for ``cosine_match``), every candidate sequence of it."""
         t0, started = time.perf_counter(), time.time()
         reader = self.reader
         seqs = np.unique(np.asarray(seqs, np.int64))
         if not include_untrained:
             seqs = trained_only(reader, seqs)
-        approx = approx_scores(reader, G, pre, reader.rows_of_sequences(seqs))
+        approx = approx_scores(reader, G, pre, reader.rows_of_sequences(seqs), match=match)
         sign = -1.0 if opponents else 1.0
         best, score, tie = ranked_documents(reader, approx, aggregation, sign=sign, n=n)
         best_seq = reader.seq_of_tokens(approx.tok[best]) if len(best) else np.zeros(0, np.int64)
@@ -185,7 +187,7 @@ class ShardWorker:
         else:
             tokens = [np.zeros(0, np.int64) for _ in best_seq]
         match_seqs = [np.zeros(0, np.int64) for _ in best_seq]
-        if match and len(best_seq):
+        if match is not None and len(best_seq):
             seq_docs = reader.doc_of_seqs(seqs)
             match_seqs = [seqs[seq_docs == d] for d in docs]
         self._done("shortlist", t0, started, len(approx.tok))
@@ -267,7 +269,7 @@ class ShardSet(Protocol):
                      ctx: CallContext | None = None) -> tuple[np.ndarray, np.ndarray]: ...
 
     def shortlist(self, G: torch.Tensor, pre: Preconditioner, seqs: np.ndarray, aggregation: Aggregation, *,
-                  opponents: bool, n: int, m: int | None, match: bool, include_untrained: bool,
+                  opponents: bool, n: int, m: int | None, match: Targets | None, include_untrained: bool,
                   ctx: CallContext | None = None) -> Shortlist: ...
 
     def prototype_mass(self, docs: np.ndarray, measure: str = "activation",
@@ -289,7 +291,7 @@ class LocalShards:
         return merge_search([found], n), merge_best_tokens([post], n_tokens)
 
     def shortlist(self, G: torch.Tensor, pre: Preconditioner, seqs: np.ndarray, aggregation: Aggregation, *,
-                  opponents: bool, n: int, m: int | None, match: bool, include_untrained: bool,
+                  opponents: bool, n: int, m: int | None, match: Targets | None, include_untrained: bool,
                   ctx: CallContext | None = None) -> Shortlist:
         part = self.worker.shortlist(G, pre, seqs, aggregation, opponents=opponents, n=n, m=m, match=match,
                                      include_untrained=include_untrained)

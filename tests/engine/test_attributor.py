@@ -295,6 +295,30 @@ def test_cosine_match_matches_each_target_token_and_averages(att):
     assert np.all(whole <= best_piece + 1e-6)
 
 
+def test_cosine_match_shortlist_uses_approximate_target_cosines(att):
+    """The fast path shortlists ``cosine_match`` by each target token's approximate cosines (decoded token
+    vectors): they agree with the exact ones to the codes' precision, tokens that share no prototype
+    with the query score 0 for every target, and re-ranking only as many documents as are returned
+    gives the exact top documents when every sequence is a candidate."""
+    spec = QuerySpec("A computer", " is a machine")
+    q = att.encode(spec)
+    pre = att.preconditioner()
+    seqs = np.arange(att.reader.n_seqs)
+    approx = approx_scores(att.reader, q.G, pre, att.reader.rows_of_sequences(seqs), match=q.targets)
+    ex = exact_scores(att.model, att.reader, q.G, pre, seqs, match=q)
+    assert approx.match is not None and ex.match is not None
+    assert np.array_equal(approx.tok, ex.tok) and approx.match.shape == ex.match.shape == (len(ex.tok), q.n_targets)
+    assert np.corrcoef(approx.match.ravel(), ex.match.ravel())[0, 1] > 0.99
+    np.testing.assert_allclose(approx.match, ex.match, atol=0.1)
+    idle = ~(approx.slot_val != 0).any(1)
+    assert idle.any() and np.all(approx.match[idle] == 0)
+    fast = att.attribute(spec, QueryOptions(n_documents=5, n_candidates=100_000, exact_rerank=5,
+                                            aggregation="cosine_match"))
+    full = att.attribute(spec, exact(5, aggregation="cosine_match"))
+    assert {d.doc_id for d in fast.documents} == {d.doc_id for d in full.documents}
+    assert [d.score for d in fast.documents] == pytest.approx([d.score for d in full.documents], rel=1e-4)
+
+
 def test_long_work_stops_when_asked(att):
     """Exact mode and discovery check their ``stop`` event as they go and stop with ``Cancelled``;
     the service sets it when the client disconnects."""

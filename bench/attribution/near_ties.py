@@ -1,0 +1,272 @@
+"""Why exact top 10s tie at scale, and which document score separates them (issue: decisive rankings).
+
+One exact pass of the model over every token of an index, for many queries at once, keeps every
+token's exact score (``raw`` s_t, its cosine, ``I(t, t)``) where it is not zero, and per document the
+norm of its whole gradient in prototype space (``I(D, D) = sum_i ||sum_{t in D} a_{t,i} Q^T u_t||^2``
+under the curvature: the cross terms between the document's tokens included). From those it ranks
+the documents under candidate scores:
+
+- ``cosine_max`` (served default), ``cosine_sum``, ``raw_max``, ``raw_sum``: as served;
+- ``cosine_top{m}``: the sum of a document's m best token cosines plus its m most negative ones;
+- ``tau_cosine_max_q{p}``: the best token's ``s_t / sqrt(I(q, q) (I(t, t) + tau))``, tau the p-th
+  percentile of ``I(t, t)``;
+- ``document_cosine``: the cosine between the query gradient and the document's whole gradient,
+  ``sum_t s_t / sqrt(I(q, q) I(D, D))`` (the document as one training example);
+- ``document_cosine_diag``: the same with ``I(D, D)`` replaced by ``sum_t I(t, t)`` (cross terms
+  dropped: what the index can compute from its stored values);
+
+and reports, per score, the share of queries whose exact top 10 is a near-tie (more than 10
+documents within 0.1% of the 10th-best score; counted over every document, and over one document
+per distinct text), the overlap of its top 10 with ``cosine_max``'s, and for planted facts the rank
+of the fact's first copy. It also checks the saturation hypothesis: the best token cosine a query
+can reach with a token aligned to one target token j is ``<g_j, G> / (||g_j|| ||G||)``; it reports
+the best document's cosine against the largest of those ceilings.
+
+    python -m bench.attribution.near_ties --index runs/scale/prefix_0004 --heldout runs/scale/corpus/part-006.jsonl \\
+        --out bench/results/near_ties.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+from tqdm import tqdm
+
+from bench._common import finish
+from prism_tda.engine import Attributor, QuerySpec
+from prism_tda.engine.curvature import self_influence
+from prism_tda.engine.reads import document_table
+from prism_tda.engine.scoring import TargetColumns, match_cosines, score_tokens
+from prism_tda.engine.tokens import run_batch
+
+
+def held_out_queries(path: Path, tokenizer, n: int, seed: int) -> list[dict]:
+    """48-token prompts and their 16-token continuations from documents of a file that is not indexed."""
+    rng = np.random.default_rng(seed)
+    lines = path.read_text().splitlines()
+    out = []
+    for i in rng.permutation(len(lines)):
+        d = json.loads(lines[i])
+        if d.get("source") == "planted":
+            continue
+        ids = tokenizer.encode(d["text"]).ids
+        if len(ids) >= 64:
+            out.append({"id": d["id"], "kind": "held_out", "prompt": tokenizer.decode(ids[:48]),
+                        "completion": tokenizer.decode(ids[48:64])})
+        if len(out) == n:
+            break
+    return out
+
+
+def planted_queries(facts_file: Path, ext_ids: set[str], kinds: list[str], n: int | None) -> list[dict]:
+    """Planted facts with copies in the index (the ``n`` with the most), each asked as ``kinds``."""
+    facts = json.loads(facts_file.read_text())
+    facts = sorted(facts, key=lambda f: -len(set(f["doc_ids"]) & ext_ids))[:n]
+    out = []
+    for f in facts:
+        wanted = sorted(set(f["doc_ids"]) & ext_ids)
+        if wanted:
+            for kind, prompt in ((k, f["prompt"] if k == "verbatim" else f["paraphrase"]) for k in kinds):
+                out.append({"id": f["fact_id"], "kind": kind, "prompt": prompt, "completion": f["answer"],
+                            "wanted": wanted})
+    return out
+
+
+def exact_pass(att: Attributor, queries: list, batch_size: int = 32) -> tuple[list, np.ndarray, np.ndarray]:
+    """Per query the non-zero tokens (doc, raw, cos, I(t, t)) and per document and target token the
+    best cosine with that target token's gradient; per document I(D, D) and sum_t I(t, t)."""
+    reader, model = att.reader, att.model
+    pre = att.preconditioner(None)
+    Q, inv = reader.curv.Q, pre.inv
+    K = inv.shape[0]
+    n_docs = reader.n_docs
+    doc_norm2 = np.zeros(n_docs)
+    doc_self_sum = np.zeros(n_docs)
+    parts: list[list[tuple]] = [[] for _ in queries]
+    match = [np.full((n_docs, q.n_targets), -np.inf) for q in queries]
+    cols = [TargetColumns.of(q, pre) for q in queries]
+    pending_keys = torch.zeros(0, dtype=torch.int64)
+    pending_vals = torch.zeros(0, Q.shape[1])
+
+    def flush(keys: torch.Tensor, vals: torch.Tensor) -> None:
+        uk, invk = torch.unique(keys, return_inverse=True)
+        acc = torch.zeros(len(uk), vals.shape[1]).index_add_(0, invk, vals)
+        norm2 = ((acc * acc) * inv[uk % K]).sum(1).double().numpy()
+        np.add.at(doc_norm2, (uk // K).numpy(), norm2)
+
+    with torch.no_grad(), tqdm(total=reader.n_tokens, desc="exact", unit="tok", unit_scale=True) as bar:
+        for b in range(0, reader.n_seqs, batch_size):
+            seqs = np.arange(b, min(b + batch_size, reader.n_seqs))
+            toks, tgts = zip(*(reader.sequence_tokens(int(s)) for s in seqs), strict=True)
+            tb = run_batch(model, list(toks), list(tgts))
+            ut = tb.u @ Q
+            protos, acts = tb.proto_idx.numpy(), tb.acts.float().numpy()
+            t_self = self_influence(ut, protos, acts, inv)
+            lo = reader.seq_span(int(seqs[0]))[0]
+            rows = np.arange(lo, lo + len(t_self))
+            docs = reader.doc_of_seqs(reader.seq_of_tokens(rows))
+            np.add.at(doc_self_sum, docs, t_self)
+            # the documents' whole gradients: sum of a_{t,i} Q^T u_t per (document, prototype)
+            keys = torch.from_numpy(docs[:, None] * K + protos).flatten()
+            vals = (torch.from_numpy(acts)[:, :, None] * ut.float()[:, None, :]).reshape(-1, ut.shape[1])
+            keys, vals = torch.cat([pending_keys, keys]), torch.cat([pending_vals, vals])
+            last = int(docs[-1])  # may go on in the next batch
+            open_ = keys // K == last
+            if b + batch_size >= reader.n_seqs:
+                open_[:] = False
+            flush(keys[~open_], vals[~open_])
+            pending_keys, pending_vals = keys[open_], vals[open_]
+            for qi, q in enumerate(queries):
+                s = score_tokens(rows, protos, acts, ut, t_self, q.G, pre, exact=True)
+                nz = s.raw != 0
+                parts[qi].append((docs[nz].astype(np.int32), s.raw[nz], s.cos[nz].astype(np.float32),
+                                  t_self[nz].astype(np.float32)))
+                tc = match_cosines(protos, acts, ut, t_self, q, pre, cols[qi])
+                np.maximum.at(match[qi], (docs[:, None], np.arange(q.n_targets)[None, :]), tc)
+            bar.update(len(rows))
+    per_query = [(*(np.concatenate(c) for c in zip(*p, strict=True)), mt) for p, mt in zip(parts, match, strict=True)]
+    return per_query, doc_norm2, doc_self_sum
+
+
+def group_max(docs: np.ndarray, v: np.ndarray, n: int) -> np.ndarray:
+    out = np.full(n, -np.inf)
+    np.maximum.at(out, docs, v)
+    out[~np.isfinite(out)] = 0.0
+    return out
+
+
+def top_m_signed(docs: np.ndarray, cos: np.ndarray, n: int, m: int) -> np.ndarray:
+    """Per document: its m best token cosines plus its m most negative ones (each only if of that sign)."""
+    out = np.zeros(n)
+    for sign in (1.0, -1.0):
+        sel = sign * cos > 0
+        d, c = docs[sel], sign * cos[sel]
+        order = np.lexsort((-c, d))
+        d, c = d[order], c[order]
+        start = np.r_[0, np.nonzero(d[1:] != d[:-1])[0] + 1]
+        rank = np.arange(len(d)) - np.repeat(start, np.diff(np.r_[start, len(d)]))
+        keep = rank < m
+        out += sign * np.bincount(d[keep], weights=c[keep], minlength=n)
+    return out
+
+
+def scores_of(tokens: tuple, I_q: float, doc_norm2: np.ndarray, doc_self_sum: np.ndarray, taus: dict,
+              n: int) -> dict[str, np.ndarray]:
+    docs, raw, cos, t_self, match = tokens
+    raw_sum = np.bincount(docs, weights=raw, minlength=n)
+    out = {"cosine_max": group_max(docs, cos, n), "cosine_sum": np.bincount(docs, weights=cos, minlength=n),
+           "raw_max": group_max(docs, raw, n), "raw_sum": raw_sum}
+    for m in (2, 4, 8):
+        out[f"cosine_top{m}"] = top_m_signed(docs, cos.astype(np.float64), n, m)
+    for name, tau in taus.items():
+        out[f"tau_cosine_max_{name}"] = group_max(docs, raw / np.sqrt(I_q * (t_self + tau)), n)
+    out["document_cosine"] = raw_sum / np.sqrt(I_q * np.maximum(doc_norm2, 1e-30))
+    out["document_cosine_diag"] = raw_sum / np.sqrt(I_q * np.maximum(doc_self_sum, 1e-30))
+    m = np.where(np.isfinite(match), match, 0.0)
+    out["cosine_match"] = m.mean(1)
+    return out
+
+
+def near_ties(s: np.ndarray, keep: np.ndarray, k: int = 10) -> int:
+    v = np.sort(np.where(keep, s, -np.inf))[::-1]
+    kth = float(v[k - 1])
+    return int((v >= kth - 1e-3 * abs(kth)).sum()) if np.isfinite(kth) and kth > 0 else 0
+
+
+def main(argv: list[str] | None = None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--index", required=True)
+    ap.add_argument("--heldout", help="a JSONL file of documents not indexed: held-out queries from it")
+    ap.add_argument("--n-heldout", type=int, default=24)
+    ap.add_argument("--seed", type=int, default=2)
+    ap.add_argument("--facts", help="facts.json of planted facts: queries of those whose copies are indexed")
+    ap.add_argument("--n-facts", type=int, default=None, help="at most this many facts (those with most copies)")
+    ap.add_argument("--planted-kinds", default="verbatim,paraphrase")
+    ap.add_argument("--out", default="bench/results/near_ties.json")
+    args = ap.parse_args(argv)
+    torch.set_num_threads(os.cpu_count() or 1)
+    att = Attributor.open(args.index)
+    reader = att.reader
+    table = document_table(Path(args.index), ["external_id", "text"])
+    ext = np.asarray(table.column("external_id").to_pylist(), dtype=object)
+    texts = table.column("text").to_pylist()
+    first_of_text = np.zeros(len(ext), dtype=bool)
+    first_of_text[np.unique(np.asarray(texts, dtype=object), return_index=True)[1]] = True
+    queries = []
+    if args.heldout:
+        queries += held_out_queries(Path(args.heldout), att.tokenizer, args.n_heldout, args.seed)
+    if args.facts:
+        queries += planted_queries(Path(args.facts), set(ext.tolist()), args.planted_kinds.split(","), args.n_facts)
+    encoded = [att.encode(QuerySpec(q["prompt"], q["completion"])) for q in queries]
+    pre = att.preconditioner(None)
+    t0 = time.perf_counter()
+    tokens, doc_norm2, doc_self_sum = exact_pass(att, encoded)
+    pass_s = time.perf_counter() - t0
+    all_self = np.concatenate([t[3] for t in tokens[:1]])
+    taus = {f"q{p}": float(np.percentile(all_self, p)) for p in (50, 90)}
+    n = reader.n_docs
+    per_query = []
+    for q, enc, tok in zip(queries, encoded, tokens, strict=True):
+        I_q = pre.self_influence(enc.G)
+        sc = scores_of(tok, I_q, doc_norm2, doc_self_sum, taus, n)
+        # the saturation ceiling: a token aligned with target token j reaches <g_j, G> / (|g_j| |G|)
+        ceilings = []
+        for j in range(enc.n_targets):
+            gj = enc.target_G(j)
+            Ij = pre.self_influence(gj)
+            if Ij > 0:
+                ceilings.append(float((gj * enc.G * pre.inv).sum()) / np.sqrt(Ij * I_q))
+        keep_wanted = ~np.isin(ext, q.get("wanted", []))
+        row: dict = {"id": q["id"], "kind": q["kind"], "best_cosine": float(sc["cosine_max"].max()),
+                     "ceiling_max": max(ceilings) if ceilings else None,
+                     "near_ties": {}, "near_ties_distinct": {}, "top10": {}, "rank_of_fact": {}}
+        for name, s in sc.items():
+            row["near_ties"][name] = near_ties(s, keep_wanted)
+            row["near_ties_distinct"][name] = near_ties(s, keep_wanted & first_of_text)
+            top = np.argsort(-s, kind="stable")[:10]
+            row["top10"][name] = [str(ext[d]) for d in top if s[d] > 0]
+            if "wanted" in q:
+                order = np.argsort(-s, kind="stable")[:1000]
+                hits = np.nonzero(np.isin(ext[order], q["wanted"]))[0]
+                row["rank_of_fact"][name] = int(hits[0]) + 1 if len(hits) else None
+        per_query.append(row)
+    names = list(per_query[0]["near_ties"]) if per_query else []
+
+    def share(key: str, kind: str | None = None) -> dict:
+        rows = [r for r in per_query if kind is None or r["kind"] == kind]
+        return {nm: round(float(np.mean([r[key][nm] > 10 for r in rows])), 3) for nm in names} if rows else {}
+
+    def overlap_with(ref: str) -> dict:
+        return {nm: round(float(np.mean([len(set(r["top10"][nm]) & set(r["top10"][ref])) / 10 for r in per_query])), 3)
+                for nm in names}
+
+    def recall(kind: str, k: int) -> dict | None:
+        rows = [r for r in per_query if r["kind"] == kind]
+        return {nm: round(float(np.mean([(r["rank_of_fact"][nm] or 10**9) <= k for r in rows])), 3)
+                for nm in names} if rows else None
+
+    res = {
+        "index": str(args.index), "tokens": reader.n_tokens, "documents": n, "queries": len(queries),
+        "exact_pass_seconds": round(pass_s, 1), "taus": taus,
+        "near_tie_query_share": share("near_ties"),
+        "near_tie_query_share_distinct_texts": share("near_ties_distinct"),
+        "near_tie_query_share_held_out": share("near_ties", "held_out"),
+        "near_tie_query_share_distinct_texts_held_out": share("near_ties_distinct", "held_out"),
+        "overlap_at_10_with_cosine_max": overlap_with("cosine_max"),
+        "overlap_at_10_with_document_cosine": overlap_with("document_cosine"),
+        **{f"{kind}_recall_at_{k}": recall(kind, k) for kind in ("verbatim", "paraphrase") for k in (1, 10)},
+        "best_cosine_over_ceiling": [round(r["best_cosine"] / r["ceiling_max"], 4) for r in per_query
+                                     if r["ceiling_max"]],
+        "per_query": per_query,
+    }
+    return finish(res, "attribution/near_ties.py", argv, args.out, hide=("per_query",))
+
+
+if __name__ == "__main__":
+    main()
