@@ -39,7 +39,7 @@ import torch
 from tqdm import tqdm
 
 from bench._common import finish
-from prism_tda.engine import Attributor, QuerySpec
+from prism_tda.engine import Attributor, QueryOptions, QuerySpec
 from prism_tda.engine.curvature import self_influence
 from prism_tda.engine.reads import document_table
 from prism_tda.engine.scoring import TargetColumns, match_cosines, score_tokens
@@ -78,7 +78,7 @@ def planted_queries(facts_file: Path, ext_ids: set[str], kinds: list[str], n: in
     return out
 
 
-def exact_pass(att: Attributor, queries: list, batch_size: int = 32) -> tuple[list, np.ndarray, np.ndarray]:
+def exact_pass(att: Attributor, queries: list, batch_size: int = 32) -> tuple[list, np.ndarray, np.ndarray, tuple]:
     """Per query the non-zero tokens (doc, raw, cos, I(t, t)) and per document and target token the
     best cosine with that target token's gradient; per document I(D, D) and sum_t I(t, t)."""
     reader, model = att.reader, att.model
@@ -90,15 +90,19 @@ def exact_pass(att: Attributor, queries: list, batch_size: int = 32) -> tuple[li
     doc_self_sum = np.zeros(n_docs)
     parts: list[list[tuple]] = [[] for _ in queries]
     match = [np.full((n_docs, q.n_targets), -np.inf) for q in queries]
+    match_raw = [np.zeros((n_docs, q.n_targets)) for q in queries]  # per document and target: sum_t s_{t,j}
     cols = [TargetColumns.of(q, pre) for q in queries]
     pending_keys = torch.zeros(0, dtype=torch.int64)
     pending_vals = torch.zeros(0, Q.shape[1])
+
+    key_parts: list[tuple[np.ndarray, np.ndarray]] = []  # (document * K + prototype, its part of I(D, D))
 
     def flush(keys: torch.Tensor, vals: torch.Tensor) -> None:
         uk, invk = torch.unique(keys, return_inverse=True)
         acc = torch.zeros(len(uk), vals.shape[1]).index_add_(0, invk, vals)
         norm2 = ((acc * acc) * inv[uk % K]).sum(1).double().numpy()
         np.add.at(doc_norm2, (uk // K).numpy(), norm2)
+        key_parts.append((uk.numpy(), norm2))
 
     with torch.no_grad(), tqdm(total=reader.n_tokens, desc="exact", unit="tok", unit_scale=True) as bar:
         for b in range(0, reader.n_seqs, batch_size):
@@ -129,9 +133,14 @@ def exact_pass(att: Attributor, queries: list, batch_size: int = 32) -> tuple[li
                                   t_self[nz].astype(np.float32)))
                 tc = match_cosines(protos, acts, ut, t_self, q, pre, cols[qi])
                 np.maximum.at(match[qi], (docs[:, None], np.arange(q.n_targets)[None, :]), tc)
+                tr = tc * np.sqrt(np.maximum(cols[qi].self_j, 1e-30)[None, :] * np.maximum(t_self, 1e-30)[:, None])
+                np.add.at(match_raw[qi], docs, tr)
             bar.update(len(rows))
-    per_query = [(*(np.concatenate(c) for c in zip(*p, strict=True)), mt) for p, mt in zip(parts, match, strict=True)]
-    return per_query, doc_norm2, doc_self_sum
+    per_query = [(*(np.concatenate(c) for c in zip(*p, strict=True)), mt, mr, cl)
+                 for p, mt, mr, cl in zip(parts, match, match_raw, cols, strict=True)]
+    keys = np.concatenate([k for k, _ in key_parts])
+    doc_proto = (keys // K, keys % K, np.concatenate([v for _, v in key_parts]))
+    return per_query, doc_norm2, doc_self_sum, doc_proto
 
 
 def group_max(docs: np.ndarray, v: np.ndarray, n: int) -> np.ndarray:
@@ -157,8 +166,8 @@ def top_m_signed(docs: np.ndarray, cos: np.ndarray, n: int, m: int) -> np.ndarra
 
 
 def scores_of(tokens: tuple, I_q: float, doc_norm2: np.ndarray, doc_self_sum: np.ndarray, taus: dict,
-              n: int) -> dict[str, np.ndarray]:
-    docs, raw, cos, t_self, match = tokens
+              n: int, doc_proto: tuple, q_protos: np.ndarray) -> dict[str, np.ndarray]:
+    docs, raw, cos, t_self, match, match_raw, cols = tokens
     raw_sum = np.bincount(docs, weights=raw, minlength=n)
     out = {"cosine_max": group_max(docs, cos, n), "cosine_sum": np.bincount(docs, weights=cos, minlength=n),
            "raw_max": group_max(docs, raw, n), "raw_sum": raw_sum}
@@ -168,6 +177,19 @@ def scores_of(tokens: tuple, I_q: float, doc_norm2: np.ndarray, doc_self_sum: np
         out[f"tau_cosine_max_{name}"] = group_max(docs, raw / np.sqrt(I_q * (t_self + tau)), n)
     out["document_cosine"] = raw_sum / np.sqrt(I_q * np.maximum(doc_norm2, 1e-30))
     out["document_cosine_diag"] = raw_sum / np.sqrt(I_q * np.maximum(doc_self_sum, 1e-30))
+    # the document's gradient within the query's prototypes only (the rows of G that are not 0)
+    d_of, p_of, part = doc_proto
+    sel = np.isin(p_of, q_protos)
+    in_q = np.bincount(d_of[sel], weights=part[sel], minlength=n)
+    out["document_cosine_query_prototypes"] = raw_sum / np.sqrt(I_q * np.maximum(in_q, 1e-30))
+    # per target token j: the document's whole gradient within j's prototypes against g_j, averaged
+    per_target = []
+    for j in range(match_raw.shape[1]):
+        pj = np.nonzero(cols.col[j] >= 0)[0]
+        selj = np.isin(p_of, pj)
+        nj = np.bincount(d_of[selj], weights=part[selj], minlength=n)
+        per_target.append(match_raw[:, j] / np.sqrt(max(cols.self_j[j], 1e-30) * np.maximum(nj, 1e-30)))
+    out["document_match"] = np.mean(per_target, axis=0)
     m = np.where(np.isfinite(match), match, 0.0)
     out["cosine_match"] = m.mean(1)
     return out
@@ -179,6 +201,27 @@ def near_ties(s: np.ndarray, keep: np.ndarray, k: int = 10) -> int:
     return int((v >= kth - 1e-3 * abs(kth)).sum()) if np.isfinite(kth) and kth > 0 else 0
 
 
+def fast_overlap(att: Attributor, queries: list[dict], per_query: list[dict], aggregations: list[str],
+                 n: int = 10) -> dict:
+    """The fast path (as served: default settings, one query at a time, every document allowed)
+    against the exact top 10 of each aggregation: strict overlap@10 per query kind, and seconds per
+    query."""
+    out: dict = {}
+    for agg in aggregations:
+        ov: dict[str, list[float]] = {}
+        secs = []
+        for q, row in zip(queries, per_query, strict=True):
+            t0 = time.perf_counter()
+            res = att.attribute(QuerySpec(q["prompt"], q["completion"]),
+                                QueryOptions(n_documents=n, aggregation=agg, include_untrained=True))
+            secs.append(time.perf_counter() - t0)
+            got = {d.external_id for d in res.documents}
+            ov.setdefault(q["kind"], []).append(len(got & set(row["top10"][agg])) / max(len(row["top10"][agg]), 1))
+        out[agg] = {"overlap_at_10": {k: round(float(np.mean(v)), 3) for k, v in ov.items()},
+                    "seconds_per_query_median": round(float(np.median(secs)), 3)}
+    return out
+
+
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--index", required=True)
@@ -188,6 +231,10 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--facts", help="facts.json of planted facts: queries of those whose copies are indexed")
     ap.add_argument("--n-facts", type=int, default=None, help="at most this many facts (those with most copies)")
     ap.add_argument("--planted-kinds", default="verbatim,paraphrase")
+    ap.add_argument("--fast", default="cosine_max,cosine_match",
+                    help="aggregations to run the fast path with, against their exact top 10")
+    ap.add_argument("--reuse", action="store_true",
+                    help="take the exact results from --out (a run with the same arguments) and add the fast path")
     ap.add_argument("--out", default="bench/results/near_ties.json")
     args = ap.parse_args(argv)
     torch.set_num_threads(os.cpu_count() or 1)
@@ -203,10 +250,15 @@ def main(argv: list[str] | None = None) -> dict:
         queries += held_out_queries(Path(args.heldout), att.tokenizer, args.n_heldout, args.seed)
     if args.facts:
         queries += planted_queries(Path(args.facts), set(ext.tolist()), args.planted_kinds.split(","), args.n_facts)
+    if args.reuse:
+        res = json.loads(Path(args.out).read_text())
+        assert [r["id"] for r in res["per_query"]] == [q["id"] for q in queries], "--reuse: other queries"
+        res["fast"] = fast_overlap(att, queries, res["per_query"], args.fast.split(","))
+        return finish(res, "attribution/near_ties.py", argv, args.out, hide=("per_query",))
     encoded = [att.encode(QuerySpec(q["prompt"], q["completion"])) for q in queries]
     pre = att.preconditioner(None)
     t0 = time.perf_counter()
-    tokens, doc_norm2, doc_self_sum = exact_pass(att, encoded)
+    tokens, doc_norm2, doc_self_sum, doc_proto = exact_pass(att, encoded)
     pass_s = time.perf_counter() - t0
     all_self = np.concatenate([t[3] for t in tokens[:1]])
     taus = {f"q{p}": float(np.percentile(all_self, p)) for p in (50, 90)}
@@ -214,7 +266,7 @@ def main(argv: list[str] | None = None) -> dict:
     per_query = []
     for q, enc, tok in zip(queries, encoded, tokens, strict=True):
         I_q = pre.self_influence(enc.G)
-        sc = scores_of(tok, I_q, doc_norm2, doc_self_sum, taus, n)
+        sc = scores_of(tok, I_q, doc_norm2, doc_self_sum, taus, n, doc_proto, enc.prototypes.numpy())
         # the saturation ceiling: a token aligned with target token j reaches <g_j, G> / (|g_j| |G|)
         ceilings = []
         for j in range(enc.n_targets):
@@ -265,6 +317,8 @@ def main(argv: list[str] | None = None) -> dict:
                                      if r["ceiling_max"]],
         "per_query": per_query,
     }
+    if args.fast:
+        res["fast"] = fast_overlap(att, queries, per_query, args.fast.split(","))
     return finish(res, "attribution/near_ties.py", argv, args.out, hide=("per_query",))
 
 

@@ -20,6 +20,8 @@ import numpy as np
 
 from .types import Aggregation
 
+NEAR_TIE = 1e-3  # scores within 0.1% of each other are reported as tied
+
 
 def best_of_groups(groups: np.ndarray, value: np.ndarray, tie: np.ndarray | None = None) -> np.ndarray:
     """Positions of each group's element with the highest ``value`` (among equals, the highest
@@ -153,6 +155,15 @@ class DocumentTotals:
         tie = self.tie_break(aggregation)[scored]
         top = np.lexsort((-(sign * tie), -(sign * score)))[:n]
         return scored[top], np.asarray(score[top], np.float64), np.asarray(tie[top], np.float64)
+
+    def tied_beyond(self, aggregation: Aggregation, sign: float, n: int, keep: np.ndarray | None = None) -> int:
+        """How many documents ranked after the ``n`` best score within :data:`NEAR_TIE` (relative) of the
+        ``n``-th best: a cut inside a near-tie when above 0."""
+        _, score, _ = self.rank(aggregation, sign, len(self.docs), keep)
+        if len(score) <= n or n < 1:
+            return 0
+        last = score[n - 1]
+        return int((np.abs(score[n:] - last) <= NEAR_TIE * abs(last)).sum())
 
     def expand(self, n_docs: int, sign: float) -> dict[Aggregation, np.ndarray]:
         """:meth:`scores` as arrays over every document id of the index (0 for the others)."""

@@ -46,6 +46,7 @@ from .scoring import (
     document_scores,
     exact_scores,
     rank_documents,
+    tied_beyond,
 )
 from .shards import CallContext, LocalShards, ShardSet
 from .steering import MEASURES, Discovered, PrototypeMass, rank_prototypes, signature_matrix, text_mass
@@ -136,7 +137,7 @@ class Attributor:
                              f"here, over this server's limit of {self.exact_token_limit:,}); use 'fast'")
 
     def _fast(self, q: Query, opt: QueryOptions, pre: Preconditioner, ctx: CallContext | None = None,
-              seqs: np.ndarray | None = None) -> tuple[TokenScores, int, list]:
+              seqs: np.ndarray | None = None) -> tuple[TokenScores, int, list, int]:
         """``seqs``: the candidates when the caller has them already."""
         t0 = time.perf_counter()
         if seqs is None:
@@ -165,22 +166,25 @@ class Attributor:
                 tokens = tokens[~np.isin(np.searchsorted(self.reader.tok_base, tokens, side="right") - 1, gone)]
         exact = exact_scores(self.model, self.reader, q.G, pre, best_seqs, tokens=tokens, match=match)
         ranked = rank_documents(self.reader, exact, opt.aggregation, opponents=opt.opponents, n=opt.n_documents)
-        return exact, short.n_scored, ranked
+        ties = tied_beyond(self.reader, exact, opt.aggregation, opponents=opt.opponents, n=opt.n_documents)
+        return exact, short.n_scored, ranked, ties
 
     def _exhaustive(self, q: Query, opt: QueryOptions, pre: Preconditioner,
-                    stop: threading.Event | None = None) -> tuple[TokenScores, int, list]:
+                    stop: threading.Event | None = None) -> tuple[TokenScores, int, list, int]:
         self._check_exact()
         sign = -1.0 if opt.opponents else 1.0
         tot = exhaustive(self.model, self.reader, [q], pre, sign=sign, match=opt.aggregation == "cosine_match",
                          on_batch=lambda _: check_stop(stop, "the exact attribution"))[0]
         keep = None if opt.include_untrained else self.reader.trained(np.arange(self.reader.n_docs))
         top, per_doc, _ = tot.rank(opt.aggregation, sign, opt.n_documents, keep)
+        ties = tot.tied_beyond(opt.aggregation, sign, opt.n_documents, keep)
         best_tok = tot.best_token(opt.aggregation)
         # the returned documents' best sequences, scored again for their presentation
         exact = exact_scores(self.model, self.reader, q.G, pre, self.reader.seq_of_tokens(best_tok[top]),
                              match=q if opt.aggregation == "cosine_match" else None)
         where = {int(t): i for i, t in enumerate(exact.tok)}
-        return exact, self.reader.n_tokens, [(where[int(best_tok[d])], float(sc)) for d, sc in zip(top, per_doc, strict=True)]
+        return (exact, self.reader.n_tokens,
+                [(where[int(best_tok[d])], float(sc)) for d, sc in zip(top, per_doc, strict=True)], ties)
 
     def attribute(self, spec: QuerySpec, options: QueryOptions | None = None, *,
                   stop: threading.Event | None = None) -> Attribution:
@@ -197,9 +201,9 @@ class Attributor:
         t1 = time.perf_counter()
         ctx = CallContext(partial=opt.allow_partial)
         if opt.mode == "fast":
-            scores, n_scored, ranked = self._fast(q, opt, pre, ctx)
+            scores, n_scored, ranked, ties = self._fast(q, opt, pre, ctx)
         else:
-            scores, n_scored, ranked = self._exhaustive(q, opt, pre, stop)
+            scores, n_scored, ranked, ties = self._exhaustive(q, opt, pre, stop)
         t3 = time.perf_counter()
         docs = [scored_document(self.reader, self.tokenizer, scores, best, score, rank, opponents=opt.opponents)
                 for rank, (best, score) in enumerate(ranked, 1)]
@@ -207,7 +211,7 @@ class Attributor:
         cand = ctx.candidates_ms
         ms = Timings(1e3 * (t1 - t0), cand, 1e3 * (t3 - t1) - cand, 1e3 * (t4 - t3), 1e3 * (t4 - t0))
         return Attribution(opt.mode, opt.aggregation, pre.damping, q.info(), docs, q.per_token, ms, int(n_scored),
-                           sorted(ctx.missing))
+                           sorted(ctx.missing), ties)
 
     # ------------------------------------------------------------------------ steering
     def corpus_mass(self) -> PrototypeMass:
@@ -335,7 +339,7 @@ class Attributor:
         seqs = self.candidate_sequences(q, n_candidates, pre)
         out = document_scores(self.reader, approx_scores(local, q.G, pre, local.rows_of_sequences(seqs),
                                                          match=q.targets if match else None))
-        exact, _, _ = self._fast(q, opt, pre, seqs=seqs)
+        exact, _, _, _ = self._fast(q, opt, pre, seqs=seqs)
         ex = document_scores(self.reader, exact)
         hit = np.zeros(self.reader.n_docs, dtype=bool)
         hit[self.reader.doc_of_seqs(self.reader.seq_of_tokens(exact.tok))] = True

@@ -295,6 +295,12 @@ def ranked_documents(reader: Reads, scores: TokenScores, aggregation: Aggregatio
     return tot.best_token(aggregation)[at], score, tie
 
 
+def tied_beyond(reader: Reads, scores: TokenScores, aggregation: Aggregation, *, opponents: bool, n: int) -> int:
+    """Documents of ``scores`` ranked after the ``n`` best within 0.1% of the ``n``-th best's score."""
+    sign = -1.0 if opponents else 1.0
+    return document_totals(reader, scores, sign).tied_beyond(aggregation, sign, n)
+
+
 def rank_documents(reader: Reads, scores: TokenScores, aggregation: Aggregation, *, opponents: bool,
                    n: int) -> list[tuple[int, float]]:
     """The ``n`` best documents as (index into ``scores.tok`` of the document's best token, document

@@ -211,6 +211,11 @@ class Attribution:
     missing_shards: list[int] = field(default_factory=list)
     """Shards that did not answer (only when the query allowed a partial answer; then the documents
     are the best of the other shards)."""
+    tied_beyond_last: int = 0
+    """Documents not returned whose score is within 0.1% of the last returned document's: the cut
+    falls inside a near-tie when above 0 (the order among tied documents is decided by the
+    tie-break, not by the score). Counted among the documents scored exactly: every document in exact
+    mode, the re-ranked ones (``exact_rerank``) in fast mode, so there it is a lower bound."""
 
     @property
     def partial(self) -> bool:

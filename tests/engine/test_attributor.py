@@ -270,6 +270,22 @@ def test_ties_are_broken_by_raw_influence(att):
     assert [raw[b] for b, _ in ranked] == [0.1, 0.5, 1.0, 2.0, 2.5, 3.0]
 
 
+def test_answers_say_when_the_cut_falls_inside_a_near_tie():
+    """``tied_beyond_last``: documents after the n returned whose score is within 0.1% of the n-th's,
+    for either sign; 0 when the cut separates the scores or fewer documents exist."""
+    from prism_tda.engine.aggregate import DocumentTotals
+
+    docs = np.arange(6)
+    cos = np.array([0.9, 0.8, 0.8, 0.7995, 0.7993, 0.5])  # 0.7995 and 0.7993 within 0.1% of 0.8
+    tot = DocumentTotals.of_tokens(docs, cos, cos, 1.0)
+    assert tot.tied_beyond("cosine_max", 1.0, 2) == 3  # the 2nd best is 0.8: 0.8, 0.7995, 0.7993 follow
+    assert tot.tied_beyond("cosine_max", 1.0, 3) == 2
+    assert tot.tied_beyond("cosine_max", 1.0, 1) == 0 and tot.tied_beyond("cosine_max", 1.0, 6) == 0
+    assert tot.tied_beyond("cosine_max", 1.0, 5) == 0  # 0.5 is not within 0.1% of 0.7993
+    neg = DocumentTotals.of_tokens(docs, -cos, -cos, -1.0)  # opponents: the most negative first
+    assert neg.tied_beyond("cosine_max", -1.0, 2) == 3
+
+
 def test_cosine_match_matches_each_target_token_and_averages(att):
     """A multi-token target is matched as a whole: each target token's best token of a document,
     averaged; checked against queries of one target token each, scored independently."""
@@ -315,6 +331,11 @@ def test_cosine_match_shortlist_uses_approximate_target_cosines(att):
     fast = att.attribute(spec, QueryOptions(n_documents=5, n_candidates=100_000, exact_rerank=5,
                                             aggregation="cosine_match"))
     full = att.attribute(spec, exact(5, aggregation="cosine_match"))
+    # the exact answer's tie count is the one of every trained document's score
+    whole = att.document_scores(q, mode="exact", match=True)["cosine_match"]
+    trained = np.sort(whole[att.reader.trained(np.arange(att.reader.n_docs)) & (whole != 0)])[::-1]
+    last = full.documents[-1].score
+    assert full.tied_beyond_last == int((np.abs(trained[5:] - last) <= 1e-3 * abs(last)).sum())
     assert {d.doc_id for d in fast.documents} == {d.doc_id for d in full.documents}
     assert [d.score for d in fast.documents] == pytest.approx([d.score for d in full.documents], rel=1e-4)
 
