@@ -36,32 +36,13 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from tqdm import tqdm
 
 from bench._common import finish
+from bench.scale import held_out_queries
 from prism_tda.engine import Attributor, QueryOptions, QuerySpec
-from prism_tda.engine.curvature import self_influence
+from prism_tda.engine.exact import ExactBatch, exhaustive
 from prism_tda.engine.reads import document_table
 from prism_tda.engine.scoring import TargetColumns, match_cosines, score_tokens
-from prism_tda.engine.tokens import run_batch
-
-
-def held_out_queries(path: Path, tokenizer, n: int, seed: int) -> list[dict]:
-    """48-token prompts and their 16-token continuations from documents of a file that is not indexed."""
-    rng = np.random.default_rng(seed)
-    lines = path.read_text().splitlines()
-    out = []
-    for i in rng.permutation(len(lines)):
-        d = json.loads(lines[i])
-        if d.get("source") == "planted":
-            continue
-        ids = tokenizer.encode(d["text"]).ids
-        if len(ids) >= 64:
-            out.append({"id": d["id"], "kind": "held_out", "prompt": tokenizer.decode(ids[:48]),
-                        "completion": tokenizer.decode(ids[48:64])})
-        if len(out) == n:
-            break
-    return out
 
 
 def planted_queries(facts_file: Path, ext_ids: set[str], kinds: list[str], n: int | None) -> list[dict]:
@@ -92,9 +73,7 @@ def exact_pass(att: Attributor, queries: list, batch_size: int = 32) -> tuple[li
     match = [np.full((n_docs, q.n_targets), -np.inf) for q in queries]
     match_raw = [np.zeros((n_docs, q.n_targets)) for q in queries]  # per document and target: sum_t s_{t,j}
     cols = [TargetColumns.of(q, pre) for q in queries]
-    pending_keys = torch.zeros(0, dtype=torch.int64)
-    pending_vals = torch.zeros(0, Q.shape[1])
-
+    pending: list[tuple[torch.Tensor, torch.Tensor]] = [(torch.zeros(0, dtype=torch.int64), torch.zeros(0, Q.shape[1]))]
     key_parts: list[tuple[np.ndarray, np.ndarray]] = []  # (document * K + prototype, its part of I(D, D))
 
     def flush(keys: torch.Tensor, vals: torch.Tensor) -> None:
@@ -104,38 +83,30 @@ def exact_pass(att: Attributor, queries: list, batch_size: int = 32) -> tuple[li
         np.add.at(doc_norm2, (uk // K).numpy(), norm2)
         key_parts.append((uk.numpy(), norm2))
 
-    with torch.no_grad(), tqdm(total=reader.n_tokens, desc="exact", unit="tok", unit_scale=True) as bar:
-        for b in range(0, reader.n_seqs, batch_size):
-            seqs = np.arange(b, min(b + batch_size, reader.n_seqs))
-            toks, tgts = zip(*(reader.sequence_tokens(int(s)) for s in seqs), strict=True)
-            tb = run_batch(model, list(toks), list(tgts))
-            ut = tb.u @ Q
-            protos, acts = tb.proto_idx.numpy(), tb.acts.float().numpy()
-            t_self = self_influence(ut, protos, acts, inv)
-            lo = reader.seq_span(int(seqs[0]))[0]
-            rows = np.arange(lo, lo + len(t_self))
-            docs = reader.doc_of_seqs(reader.seq_of_tokens(rows))
-            np.add.at(doc_self_sum, docs, t_self)
-            # the documents' whole gradients: sum of a_{t,i} Q^T u_t per (document, prototype)
-            keys = torch.from_numpy(docs[:, None] * K + protos).flatten()
-            vals = (torch.from_numpy(acts)[:, :, None] * ut.float()[:, None, :]).reshape(-1, ut.shape[1])
-            keys, vals = torch.cat([pending_keys, keys]), torch.cat([pending_vals, vals])
-            last = int(docs[-1])  # may go on in the next batch
-            open_ = keys // K == last
-            if b + batch_size >= reader.n_seqs:
-                open_[:] = False
-            flush(keys[~open_], vals[~open_])
-            pending_keys, pending_vals = keys[open_], vals[open_]
-            for qi, q in enumerate(queries):
-                s = score_tokens(rows, protos, acts, ut, t_self, q.G, pre, exact=True)
-                nz = s.raw != 0
-                parts[qi].append((docs[nz].astype(np.int32), s.raw[nz], s.cos[nz].astype(np.float32),
-                                  t_self[nz].astype(np.float32)))
-                tc = match_cosines(protos, acts, ut, t_self, q, pre, cols[qi])
-                np.maximum.at(match[qi], (docs[:, None], np.arange(q.n_targets)[None, :]), tc)
-                tr = tc * np.sqrt(np.maximum(cols[qi].self_j, 1e-30)[None, :] * np.maximum(t_self, 1e-30)[:, None])
-                np.add.at(match_raw[qi], docs, tr)
-            bar.update(len(rows))
+    def on(b: ExactBatch) -> None:
+        docs, protos, acts, ut, t_self = b.docs, b.protos, b.acts, b.ut, b.t_self
+        np.add.at(doc_self_sum, docs, t_self)
+        # the documents' whole gradients: sum of a_{t,i} Q^T u_t per (document, prototype); the last
+        # document of a batch may go on in the next one
+        keys = torch.from_numpy(docs[:, None] * K + protos).flatten()
+        vals = (torch.from_numpy(acts)[:, :, None] * ut.float()[:, None, :]).reshape(-1, ut.shape[1])
+        keys, vals = torch.cat([pending[0][0], keys]), torch.cat([pending[0][1], vals])
+        open_ = keys // K == int(docs[-1])
+        flush(keys[~open_], vals[~open_])
+        pending[0] = (keys[open_], vals[open_])
+        for qi, q in enumerate(queries):
+            s = score_tokens(b.rows, protos, acts, ut, t_self, q.G, pre, exact=True)
+            nz = s.raw != 0
+            parts[qi].append((docs[nz].astype(np.int32), s.raw[nz], s.cos[nz].astype(np.float32),
+                              t_self[nz].astype(np.float32)))
+            tc = match_cosines(protos, acts, ut, t_self, q, pre, cols[qi])
+            np.maximum.at(match[qi], (docs[:, None], np.arange(q.n_targets)[None, :]), tc)
+            tr = tc * np.sqrt(np.maximum(cols[qi].self_j, 1e-30)[None, :] * np.maximum(t_self, 1e-30)[:, None])
+            np.add.at(match_raw[qi], docs, tr)
+
+    with torch.no_grad():
+        exhaustive(model, reader, [], pre, batch_size=batch_size, progress=True, inspect=on)
+    flush(*pending[0])
     per_query = [(*(np.concatenate(c) for c in zip(*p, strict=True)), mt, mr, cl)
                  for p, mt, mr, cl in zip(parts, match, match_raw, cols, strict=True)]
     keys = np.concatenate([k for k, _ in key_parts])
@@ -247,7 +218,9 @@ def main(argv: list[str] | None = None) -> dict:
     first_of_text[np.unique(np.asarray(texts, dtype=object), return_index=True)[1]] = True
     queries = []
     if args.heldout:
-        queries += held_out_queries(Path(args.heldout), att.tokenizer, args.n_heldout, args.seed)
+        tok_path = Path(att.manifest.checkpoint) / "tokenizer.json"
+        queries += [dict(q, kind="held_out")
+                    for q in held_out_queries(Path(args.heldout), tok_path, args.n_heldout, seed=args.seed)]
     if args.facts:
         queries += planted_queries(Path(args.facts), set(ext.tolist()), args.planted_kinds.split(","), args.n_facts)
     if args.reuse:

@@ -8,6 +8,7 @@ reference the fast path is measured against, not a served default. Many queries 
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -24,11 +25,26 @@ from .tokens import run_batch
 from .types import Aggregation
 
 
+@dataclass
+class ExactBatch:
+    """One batch of the exact pass: the tokens' global rows, documents, active prototypes and
+    activations (n, k), ``Q^T u_t`` (n, d) and ``I(t, t)`` under the pass's curvature."""
+
+    rows: np.ndarray
+    docs: np.ndarray
+    protos: np.ndarray
+    acts: np.ndarray
+    ut: torch.Tensor
+    t_self: np.ndarray
+
+
 def exhaustive(model: PRISM, reader: Reads, queries: list[Query], pre: Preconditioner, *, sign: float = 1.0,
                batch_size: int = 32, progress: bool = False, match: bool = False,
-               on_batch: Callable[[int], object] | None = None) -> list[DocumentTotals]:
+               on_batch: Callable[[int], object] | None = None,
+               inspect: Callable[[ExactBatch], object] | None = None) -> list[DocumentTotals]:
     """One pass of the model over every sequence of the index, scoring every token for each query;
-    with ``match``, each target token apart as well (``cosine_match``: one more product per target)."""
+    with ``match``, each target token apart as well (``cosine_match``: one more product per target).
+    ``inspect``: called with every batch's exact quantities (for measurements beyond the totals)."""
     Q = reader.curv.Q
     totals = [DocumentTotals.empty(np.arange(reader.n_docs), q.n_targets if match else None) for q in queries]
     with tqdm(total=reader.n_tokens, desc="exact", unit="tok", unit_scale=True, disable=not progress) as bar:
@@ -42,6 +58,8 @@ def exhaustive(model: PRISM, reader: Reads, queries: list[Query], pre: Precondit
             lo = reader.seq_span(int(seqs[0]))[0]
             rows = np.arange(lo, lo + len(t_self))
             docs = reader.doc_of_seqs(reader.seq_of_tokens(rows))
+            if inspect is not None:
+                inspect(ExactBatch(rows, docs, protos, acts, ut, t_self))
             for q, tot in zip(queries, totals, strict=True):
                 s = score_tokens(rows, protos, acts, ut, t_self, q.G, pre, exact=True)
                 tot.add(docs, rows, s.cos, s.raw, sign)
