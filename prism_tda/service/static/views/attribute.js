@@ -77,8 +77,11 @@ export async function render(root, { params }) {
       try {
         const res = await api("POST", "/v1/attribute", { body: req });
         last = { req, res, selected: null, scope: "output", tokenDocs: new Map() };
+        const ties = res.tied_beyond_last
+          ? ` · ${res.tied_beyond_last}${res.mode === "fast" ? "+" : ""} more documents tie with the last one (within 0.1%)`
+          : "";
         status.textContent = `${res.per_token.length} tokens · ${res.tokens_scored} training tokens scored · ` +
-          `${Math.round(res.timings_ms.total ?? 0)} ms`;
+          `${Math.round(res.timings_ms.total ?? 0)} ms${ties}`;
         showResult(out);
       } catch (err) {
         clear(out, errorBox(err));
