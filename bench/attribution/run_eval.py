@@ -53,21 +53,25 @@ METHODS = ["prism_fast", "prism_exact", *PRISM_VARIANTS, "ekfac", "trak", "bergs
 
 
 # --------------------------------------------------------------------------- corpus and queries
-def build_corpus(work: Path, n_docs: int, n_facts: int, copies: int, seed: int) -> tuple[Path, list]:
+def build_corpus(work: Path, n_docs: int, n_facts: int, copies: int, seed: int) -> tuple[Path, list, list[dict]]:
+    """The corpus file, the facts, and the demo documents left out of the corpus (never trained on by
+    any model of the run: held-out queries beyond the validation split come from them)."""
     facts = make_facts(n_facts, copies)
     with gzip.open(demo_corpus_path(), "rt") as fh:
         demo = [json.loads(line) for line in fh]
     rng = random.Random(seed)
     rng.shuffle(demo)
     docs = [{"id": d, "source": "planted", "title": f.fact_id, "text": f.text} for f in facts for d in f.doc_ids]
-    docs += demo[: max(n_docs - len(docs), 0)]
+    n_demo = max(n_docs - len(docs), 0)
+    outside = demo[n_demo:]
+    docs += demo[:n_demo]
     rng.shuffle(docs)
     path = work / "corpus.jsonl"
     work.mkdir(parents=True, exist_ok=True)
     with open(path, "w") as fh:
         for d in docs:
             fh.write(json.dumps(d) + "\n")
-    return path, facts
+    return path, facts, outside
 
 
 def split(corpus: Path, val_fraction: float) -> tuple[list[dict], list[dict]]:
@@ -260,7 +264,8 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--copies", type=int, default=6)
     ap.add_argument("--epochs", type=float, default=4.0, help="passes over the training tokens")
     ap.add_argument("--subsets", type=int, default=32, help="LDS retrainings on random halves (>= 16)")
-    ap.add_argument("--heldout", type=int, default=40, help="held-out document queries")
+    ap.add_argument("--heldout", type=int, default=40,
+                    help="held-out document queries (validation documents first, then demo documents left out of the corpus)")
     ap.add_argument("--candidates", type=int, default=256)
     ap.add_argument("--methods", default=",".join(["prism", "ekfac", "trak", "bm25"]))
     ap.add_argument("--seed", type=int, default=0)
@@ -269,7 +274,7 @@ def main(argv: list[str] | None = None) -> dict:
     args = ap.parse_args(argv)
     torch.set_num_threads(2)
     work = Path(args.work)
-    corpus, facts = build_corpus(work, args.docs, args.facts, args.copies, args.seed)
+    corpus, facts, outside = build_corpus(work, args.docs, args.facts, args.copies, args.seed)
     _, train_cfg = build_configs("tiny", None, MODEL)
     train_docs, val_docs = split(corpus, train_cfg.val_fraction)
     train_path = work / "train.jsonl"
@@ -311,7 +316,8 @@ def main(argv: list[str] | None = None) -> dict:
     docs = index_documents(index_dir, ["doc_id", "external_id"])
     ext_to_doc = dict(zip(docs["external_id"], docs["doc_id"], strict=True))
     n_docs = len(ext_to_doc)
-    queries = make_queries(facts, set(ext_to_doc), val_docs, tok, args.heldout)
+    # held-out queries: the validation split first, then documents outside the corpus when more are asked
+    queries = make_queries(facts, set(ext_to_doc), val_docs + outside, tok, args.heldout)
     (work / "queries.json").write_text(json.dumps(queries, indent=1))
 
     # memorised facts: greedy decoding of the full model completes the answer
