@@ -45,8 +45,7 @@ from .scoring import (
     approx_scores,
     document_scores,
     exact_scores,
-    rank_documents,
-    tied_beyond,
+    rank_documents_with_ties,
 )
 from .shards import CallContext, LocalShards, ShardSet
 from .steering import MEASURES, Discovered, PrototypeMass, rank_prototypes, signature_matrix, text_mass
@@ -165,8 +164,8 @@ class Attributor:
             if tokens is not None:
                 tokens = tokens[~np.isin(np.searchsorted(self.reader.tok_base, tokens, side="right") - 1, gone)]
         exact = exact_scores(self.model, self.reader, q.G, pre, best_seqs, tokens=tokens, match=match)
-        ranked = rank_documents(self.reader, exact, opt.aggregation, opponents=opt.opponents, n=opt.n_documents)
-        ties = tied_beyond(self.reader, exact, opt.aggregation, opponents=opt.opponents, n=opt.n_documents)
+        ranked, ties = rank_documents_with_ties(self.reader, exact, opt.aggregation, opponents=opt.opponents,
+                                                n=opt.n_documents)
         return exact, short.n_scored, ranked, ties
 
     def _exhaustive(self, q: Query, opt: QueryOptions, pre: Preconditioner,

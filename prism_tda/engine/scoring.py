@@ -29,7 +29,7 @@ from prism_tda.model import PRISM
 from .aggregate import DocumentTotals
 from .curvature import self_influence
 from .query import Query, Targets
-from .reader import IndexReader
+from .reader import IndexReader, TokenData
 from .reads import Reads
 from .tokens import run_batch
 from .types import Aggregation
@@ -157,18 +157,19 @@ def match_cosines(protos: np.ndarray, acts: np.ndarray, U: torch.Tensor, t_self:
     return raw / np.sqrt(np.maximum(cols.self_j, 1e-30)[None, :] * np.maximum(t_self, 1e-30)[:, None])
 
 
-def approx_match(reader: IndexReader, scores: TokenScores, targets: Targets, pre: Preconditioner,
-                 t_self: np.ndarray) -> np.ndarray:
+def approx_match(reader: IndexReader, scores: TokenScores, data: TokenData, targets: Targets, pre: Preconditioner,
+                 t_self: np.ndarray, U: torch.Tensor | None = None) -> np.ndarray:
     """(n, n_targets) approximate cosines of scored tokens with each target token's own gradient
-    (``cosine_match``), from their decoded vectors; 0 for tokens that share no prototype with the query
-    (their influence on every target token is 0)."""
+    (``cosine_match``), from their decoded vectors (``U``: all of them, when the caller decoded them
+    already); 0 for tokens that share no prototype with the query (their influence on every target
+    token is 0). ``data``: the tokens' stored values, as read for ``scores``."""
     cols = TargetColumns.of(targets, pre)
     out = np.zeros((len(scores.tok), targets.n_targets))
     rows = np.nonzero((scores.slot_val != 0).any(1))[0]
     if len(rows):
-        data = reader.token_data(scores.tok[rows])
-        U = reader.token_vectors(scores.tok[rows], data)
-        out[rows] = match_cosines(data.protos, data.acts, U, t_self[rows], targets, pre, cols)
+        part = TokenData(data.protos[rows], data.acts[rows], data.self_influence[rows], data.targets[rows])
+        Ur = U[torch.from_numpy(rows)] if U is not None else reader.token_vectors(scores.tok[rows], part)
+        out[rows] = match_cosines(part.protos, part.acts, Ur, t_self[rows], targets, pre, cols)
     return out
 
 
@@ -189,7 +190,7 @@ def approx_scores(reader: IndexReader, G: torch.Tensor, pre: Preconditioner, tok
         t_self = self_influence(U, data.protos, data.acts, pre.inv)
         out = score_tokens(tok, data.protos, data.acts, U, t_self, G, pre, exact=False)
         if match is not None:
-            out.match = approx_match(reader, out, match, pre, t_self)
+            out.match = approx_match(reader, out, data, match, pre, t_self, U)
         return out
     col, Wq = _query_columns(G, pre)
     c = col[data.protos]  # (n, k)
@@ -226,7 +227,7 @@ def approx_scores(reader: IndexReader, G: torch.Tensor, pre: Preconditioner, tok
     cos = raw / np.sqrt(max(pre.self_influence(G), 1e-30) * np.maximum(data.self_influence, 1e-30))
     out = TokenScores(tok, raw, cos, data.protos, slot_val, False)
     if match is not None:
-        out.match = approx_match(reader, out, match, pre, data.self_influence)
+        out.match = approx_match(reader, out, data, match, pre, data.self_influence)
     return out
 
 
@@ -283,30 +284,37 @@ def document_scores(reader: Reads, scores: TokenScores) -> dict[Aggregation, np.
     return document_totals(reader, scores, 1.0).expand(reader.n_docs, 1.0)
 
 
+def _ranked(reader: Reads, scores: TokenScores, aggregation: Aggregation, sign: float,
+            n: int) -> tuple[DocumentTotals, np.ndarray, np.ndarray, np.ndarray]:
+    if aggregation == "cosine_match" and scores.match is None:
+        raise ValueError("cosine_match needs the target tokens' cosines (TokenScores.match)")
+    tot = document_totals(reader, scores, sign)
+    at, score, tie = tot.rank(aggregation, sign, n)
+    return tot, tot.best_token(aggregation)[at], score, tie
+
+
 def ranked_documents(reader: Reads, scores: TokenScores, aggregation: Aggregation, *, sign: float,
                      n: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """(index into ``scores.tok`` of each document's best token, document score, tie-break measure) of
     the ``n`` best documents, best first (``DocumentTotals.rank``: the order parts ranked apart merge
     by, ``engine/shards.py``)."""
-    if aggregation == "cosine_match" and scores.match is None:
-        raise ValueError("cosine_match needs the target tokens' cosines (TokenScores.match)")
-    tot = document_totals(reader, scores, sign)
-    at, score, tie = tot.rank(aggregation, sign, n)
-    return tot.best_token(aggregation)[at], score, tie
+    return _ranked(reader, scores, aggregation, sign, n)[1:]
 
 
-def tied_beyond(reader: Reads, scores: TokenScores, aggregation: Aggregation, *, opponents: bool, n: int) -> int:
-    """Documents of ``scores`` ranked after the ``n`` best within 0.1% of the ``n``-th best's score."""
+def rank_documents_with_ties(reader: Reads, scores: TokenScores, aggregation: Aggregation, *, opponents: bool,
+                             n: int) -> tuple[list[tuple[int, float]], int]:
+    """:func:`rank_documents` and how many documents of ``scores`` ranked after those score within 0.1%
+    of the last one (``DocumentTotals.tied_beyond``)."""
     sign = -1.0 if opponents else 1.0
-    return document_totals(reader, scores, sign).tied_beyond(aggregation, sign, n)
+    tot, best, score, _ = _ranked(reader, scores, aggregation, sign, n)
+    return [(int(b), float(s)) for b, s in zip(best, score, strict=True)], tot.tied_beyond(aggregation, sign, n)
 
 
 def rank_documents(reader: Reads, scores: TokenScores, aggregation: Aggregation, *, opponents: bool,
                    n: int) -> list[tuple[int, float]]:
     """The ``n`` best documents as (index into ``scores.tok`` of the document's best token, document
     score), best first; with ``opponents``, the most negative."""
-    best, score, _ = ranked_documents(reader, scores, aggregation, sign=-1.0 if opponents else 1.0, n=n)
-    return [(int(b), float(s)) for b, s in zip(best, score, strict=True)]
+    return rank_documents_with_ties(reader, scores, aggregation, opponents=opponents, n=n)[0]
 
 
 def trained_only(reader: Reads, seqs: np.ndarray) -> np.ndarray:
