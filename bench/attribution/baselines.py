@@ -78,8 +78,14 @@ def query_losses(model, ds: TokenDataset) -> np.ndarray:
 
 
 # --------------------------------------------------------------------------- EK-FAC (kronfluence)
+#: EK-FAC's damping grid on the tuning split: the same multiples of the mean eigenvalue as PRISM's
+#: (kronfluence's heuristic damping with its scale set to each), and kronfluence's default (1e-8, absolute)
+EKFAC_DAMPING_SCALES = (0.01, 0.03, 0.1, 0.3, 1.0)
+
+
 def ekfac_scores(model, train: TokenDataset, queries: TokenDataset, work: Path, *, batch_size: int = 16,
-                 query_batch_size: int = 64, single_queries: int = 0) -> dict:
+                 query_batch_size: int = 64, single_queries: int = 0,
+                 damping_scales: tuple[float, ...] = ()) -> dict:
     """Fit EK-FAC factors on the training sequences, then score every (query, sequence) pair.
 
     kronfluence makes one pass over the training gradients per batch of queries, so its time per
@@ -137,6 +143,21 @@ def ekfac_scores(model, train: TokenDataset, queries: TokenDataset, work: Path, 
             out["single_max_abs_diff"] = max(out["single_max_abs_diff"], float(np.abs(one[0] - scores[i]).max()))
         out["single_seconds"] = ts
         out["single_seconds_per_query"] = float(np.median(ts))
+    if damping_scales:  # the same factors, scored again at damping = scale x each module's mean eigenvalue
+        import kronfluence.factor.config as kcfg
+
+        default_scale = kcfg.HEURISTIC_DAMPING_SCALE
+        out["scores_by_damping"] = {}
+        try:
+            for c in damping_scales:
+                kcfg.HEURISTIC_DAMPING_SCALE = c
+                analyzer.compute_pairwise_scores(f"scores_d{c:g}", "ekfac", queries, train,
+                                                 per_device_query_batch_size=query_batch_size,
+                                                 per_device_train_batch_size=batch_size,
+                                                 score_args=ScoreArguments(damping_factor=None), overwrite_output_dir=True)
+                out["scores_by_damping"][c] = analyzer.load_pairwise_scores(f"scores_d{c:g}")["all_modules"].float().numpy()
+        finally:
+            kcfg.HEURISTIC_DAMPING_SCALE = default_scale
     # kronfluence scores are grad_q^T H^-1 grad_x of the losses; + means x lowers the query's loss
     return out
 

@@ -7,13 +7,15 @@ content plus
 - the split: the first ``--tune-subsets`` retrained subsets and half of the LDS queries (verbatim
   facts and held-out documents, halved per kind at random) choose PRISM's settings; the other
   subsets and queries are reported;
-- PRISM's settings chosen on the tuning split: curvature damping (an exact pass per value), the
-  aggregation (best token or sum, cosine or raw, or each target token matched apart) and how many
-  documents a query returns (the rest score 0, as a served answer); EK-FAC, TRAK, Bergson and BM25
-  run as configured in ``baselines.py``;
+- PRISM's settings chosen on the tuning split, from ``levers.py``'s exact scores (run it first):
+  curvature damping (global or per prototype), the model parts scored (prototypes, + the last
+  block's output projections), the aggregation, and how many documents a query returns (the rest
+  score 0, as a served answer); EK-FAC's damping chosen on the same split from ``run_eval.py``'s
+  grid; TRAK, Bergson and BM25 run as configured in ``baselines.py``;
 - every method's LDS on the reported split with a 95% bootstrap interval over queries and subsets
   (both resampled in each draw), and the paired difference PRISM - EK-FAC on the same draws;
-- the fast path as served with the chosen settings (each query answered alone), and the speed-ups
+- the fast path as served with the chosen settings (each query answered alone) when the engine serves
+  them; the guards (planted facts, the memorised-facts corpus, near-ties at scale); and the speed-ups
   against EK-FAC on one protocol from ``scaling.py``'s results when present.
 
     python -m bench.attribution.lds_report
@@ -23,13 +25,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import time
 from pathlib import Path
 
 import numpy as np
 from scipy.stats import rankdata
 
-from bench._common import finish
+from bench._common import finish, index_documents
+from bench.attribution.run_eval import rank_of, summarise
 
 HERE = Path(__file__).resolve().parent
 
@@ -79,6 +81,25 @@ class Split:
         return np.array([spearman_cols(P[np.ix_(s, q)], -self.L[np.ix_(s, q)]).mean() for s, q in draws])
 
 
+def splits(work: Path, queries: list[dict], n_docs: int, n_subsets: int, tune_subsets: int,
+           seed: int) -> tuple[Split, Split]:
+    """The tuning and the reported split of a ``run_eval.py`` work folder: subsets by order (the first
+    ``tune_subsets`` tune), LDS queries (verbatim facts and held-out documents) halved per kind at
+    random; neither shares a subset or a query with the other."""
+    masks = subset_masks(n_docs, n_subsets, seed)
+    losses = np.array([json.loads((work / "lds" / f"subset_{j:03d}.json").read_text())["loss"]
+                       for j in range(n_subsets)])
+    rng = np.random.default_rng(12345)
+    tune_q, report_q = [], []
+    for kind in ("verbatim", "heldout"):
+        idx = rng.permutation([i for i, q in enumerate(queries) if q["kind"] == kind])
+        tune_q += idx[: len(idx) // 2].tolist()
+        report_q += idx[len(idx) // 2 :].tolist()
+    subsets = np.arange(n_subsets)
+    return (Split(masks, losses, subsets[:tune_subsets], np.sort(tune_q)),
+            Split(masks, losses, subsets[tune_subsets:], np.sort(report_q)))
+
+
 def interval(point: float, boots: np.ndarray) -> list[float]:
     return [round(point, 4), round(float(np.percentile(boots, 2.5)), 4), round(float(np.percentile(boots, 97.5)), 4)]
 
@@ -90,25 +111,6 @@ def top_only(S: np.ndarray, k: int | None) -> np.ndarray:
     out = np.zeros_like(S)
     best = np.argsort(-S, axis=1, kind="stable")[:, :k]
     np.put_along_axis(out, best, np.take_along_axis(S, best, 1), 1)
-    return out
-
-
-def exact_scores_at(work: Path, queries: list[dict], damping: float) -> dict[str, np.ndarray]:
-    """Every aggregation's exact scores at one damping (cached in the work folder)."""
-    path = work / f"scores_prism_exact_damping_{damping:g}.npz"
-    if path.exists():
-        z = np.load(path)
-        if all(a in z for a in AGGREGATIONS):
-            return {a: z[a] for a in AGGREGATIONS}
-    from prism_tda.engine import Attributor, QuerySpec
-
-    att = Attributor.open(work / "index")
-    enc = [att.encode(QuerySpec(q["prompt"], q["completion"])) for q in queries]
-    t0 = time.perf_counter()
-    res = att.exact_document_scores(enc, damping=damping, match=True)
-    out = {a: np.stack([r[a] for r in res]).astype(np.float32) for a in AGGREGATIONS}
-    np.savez(path, **out)
-    print(f"[damping {damping:g}] exact pass {time.perf_counter() - t0:.0f} s", flush=True)
     return out
 
 
@@ -132,64 +134,76 @@ def served_scores(work: Path, queries: list[dict], n_docs: int, damping: float, 
 
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--work", default="runs/bench_lds")
+    ap.add_argument("--work", default="runs/bench_lds_fresh")
     ap.add_argument("--results", default="bench/results/attribution_run48.json", help="run_eval.py's results")
     ap.add_argument("--scaling", default="bench/results/attribution_scaling.json")
     ap.add_argument("--subsets", type=int, default=48)
     ap.add_argument("--tune-subsets", type=int, default=16)
-    ap.add_argument("--dampings", default="0.1,0.3,1,3,10")
+    ap.add_argument("--memorised", default="bench/results/attribution_memorised.json",
+                    help="planted_full.py's results on the memorised-facts corpus (guards)")
+    ap.add_argument("--near-ties", default="bench/results/near_ties_scale.json",
+                    help="near_ties.py's results at >= 4M tokens (guard)")
     ap.add_argument("--returned", default="10,32,64,128,256,all", help="documents a query returns")
     ap.add_argument("--boot", type=int, default=2000)
-    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--seed", type=int, default=1, help="as given to run_eval.py (subset draws)")
     ap.add_argument("--out", default="bench/results/attribution.json")
     args = ap.parse_args(argv)
     work = Path(args.work)
     queries = json.loads((work / "queries.json").read_text())
     n_docs = np.load(work / "scores_prism_exact.npy").shape[1]
-    masks = subset_masks(n_docs, args.subsets, args.seed)
-    losses = np.array([json.loads((work / "lds" / f"subset_{j:03d}.json").read_text())["loss"]
-                       for j in range(args.subsets)])
+    tune, report = splits(work, queries, n_docs, args.subsets, args.tune_subsets, args.seed)
+    tune_q, report_q = tune.queries, report.queries
 
-    # the split: subsets by order, LDS queries halved per kind at random
-    rng = np.random.default_rng(12345)
-    tune_q, report_q = [], []
-    for kind in ("verbatim", "heldout"):
-        idx = rng.permutation([i for i, q in enumerate(queries) if q["kind"] == kind])
-        tune_q += idx[: len(idx) // 2].tolist()
-        report_q += idx[len(idx) // 2 :].tolist()
-    subsets = np.arange(args.subsets)
-    tune = Split(masks, losses, subsets[: args.tune_subsets], np.sort(tune_q))
-    report = Split(masks, losses, subsets[args.tune_subsets :], np.sort(report_q))
-
-    # PRISM's settings, chosen on the tuning split from its exact scores
-    dampings = [float(x) for x in args.dampings.split(",")]
+    # PRISM's settings, chosen on the tuning split from the exact scores of levers.py (every setting of
+    # damping and model parts it cached, under every aggregation) and how many documents a query returns
     returned: list[int | None] = [None if x == "all" else int(x) for x in args.returned.split(",")]
+    specs = json.loads((work / "levers_settings.json").read_text())
+    cands = {f"{name}/{a}": S for name in specs for a, S in np.load(work / f"levers_{name}.npz").items()}
     table = []
-    for dmp in dampings:
-        ex = exact_scores_at(work, queries, dmp)
-        for agg in AGGREGATIONS:
-            for k in returned:
-                table.append({"damping": dmp, "aggregation": agg, "returned": k or "all",
-                              "lds_tune": round(tune.lds(top_only(ex[agg], k)), 4),
-                              "lds_report": round(report.lds(top_only(ex[agg], k)), 4)})
+    for key, S in cands.items():
+        for k in returned:
+            table.append({"setting": key.split("/")[0], "aggregation": key.split("/")[1], "returned": k or "all",
+                          "lds_tune": round(tune.lds(top_only(S, k)), 4),
+                          "lds_report": round(report.lds(top_only(S, k)), 4)})
     best = max(table, key=lambda r: r["lds_tune"])
-    default = next(r for r in table if r["damping"] == 1.0 and r["aggregation"] == "cosine_max"
+    default = next(r for r in table if r["setting"] == "default" and r["aggregation"] == "cosine_max"
                    and r["returned"] == "all")
     k_best = None if best["returned"] == "all" else int(best["returned"])
-    print("chosen on the tuning split:", best, flush=True)
+    spec = specs[best["setting"]]
+    print("chosen on the tuning split:", best, spec, flush=True)
+
+    # EK-FAC's damping, chosen on the tuning split the same way (kronfluence's default and the grid)
+    ek_cands = {"default_1e-8": work / "scores_ekfac.npy"} | {
+        p.stem.removeprefix("scores_ekfac_damping_"): p for p in sorted(work.glob("scores_ekfac_damping_*.npy"))}
+    ek_table = {name: round(tune.lds(np.load(p)), 4) for name, p in ek_cands.items() if p.exists()}
+    ek_best = max(ek_table, key=lambda n: ek_table[n]) if ek_table else None
 
     # the reported split: every method, with intervals
     draws = report.draws(args.boot, args.seed + 1)
     methods: dict[str, np.ndarray] = {}
-    fast_k = k_best or n_docs
-    served, served_s = served_scores(work, queries, n_docs, best["damping"], best["aggregation"], fast_k)
+    # the fast path serves a global damping and the engine's aggregations: the best of those on the tuning
+    # split is what it answers with (the best setting overall is reported from its exact scores)
+    def servable(r: dict) -> bool:
+        sp = specs[r["setting"]]
+        return sp["damping"] == "global" and not sp["parts"] and r["aggregation"] in AGGREGATIONS
+
+    best_served = max((r for r in table if servable(r)), key=lambda r: r["lds_tune"])
+    k_served = None if best_served["returned"] == "all" else int(best_served["returned"])
+    fast_k = k_served or n_docs
+    served, served_s = served_scores(work, queries, n_docs, specs[best_served["setting"]]["c"],
+                                     best_served["aggregation"], fast_k)
     methods["prism_fast"] = served
-    methods["prism_exact"] = top_only(exact_scores_at(work, queries, best["damping"])[best["aggregation"]], k_best)
-    methods["prism_exact_default"] = exact_scores_at(work, queries, 1.0)["cosine_max"]
+    methods["prism_exact_served_setting"] = top_only(
+        cands[f"{best_served['setting']}/{best_served['aggregation']}"], k_served)
+    methods["prism_exact"] = top_only(cands[f"{best['setting']}/{best['aggregation']}"], k_best)
+    methods["prism_exact_default"] = cands["default/cosine_max"]
     methods["prism_fast_default_all_scored"] = np.load(work / "scores_prism_fast.npy")
     for m in BASELINES:
         if (work / f"scores_{m}.npy").exists():
             methods[m] = np.load(work / f"scores_{m}.npy")
+    if ek_best is not None:
+        methods["ekfac_default_damping"] = methods["ekfac"]
+        methods["ekfac"] = np.load(ek_cands[ek_best])
     boots = {m: report.boot(S, draws) for m, S in methods.items()}
     res = json.loads(Path(args.results).read_text()) if Path(args.results).exists() else {}
     out = {k: v for k, v in res.items() if not k.startswith("lds_")}
@@ -199,10 +213,10 @@ def main(argv: list[str] | None = None) -> dict:
         out[f"lds_{m}"] = round(point, 4)
         out[f"lds_{m}_ci"] = interval(point, boots[m])
     if "ekfac" in methods:
-        for m in ("prism_fast", "prism_exact"):
+        for m in ("prism_fast", "prism_exact", "prism_exact_served_setting"):
             d = report.lds(methods[m]) - report.lds(methods["ekfac"])
-            out[f"lds_diff_{m.replace('prism_', 'prism_')}_ekfac_ci"] = interval(d, boots[m] - boots["ekfac"])
-        out["lds_diff_prism_ekfac_ci"] = out["lds_diff_prism_fast_ekfac_ci"]
+            out[f"lds_diff_{m}_ekfac_ci"] = interval(d, boots[m] - boots["ekfac"])
+        out["lds_diff_prism_ekfac_ci"] = out.get("lds_diff_prism_fast_ekfac_ci")
     if "lds_bergson" not in out:
         out["lds_bergson"] = None
         out["lds_bergson_reason"] = "no scores_bergson.npy: run run_eval.py with --methods ...,bergson"
@@ -210,9 +224,28 @@ def main(argv: list[str] | None = None) -> dict:
         for m in ("prism_fast",):
             d = report.lds(methods[m]) - report.lds(methods["bergson"])
             out["lds_diff_prism_fast_bergson_ci"] = interval(d, boots[m] - boots["bergson"])
-    out["prism_settings"] = {"chosen_on_tuning_split": best, "default": default,
-                             "fast_returned_documents": fast_k, "fast_seconds_per_query_median": served_s,
-                             "table": table}
+    out["prism_settings"] = {"chosen_on_tuning_split": best | {"spec": spec}, "default": default,
+                             "served_chosen_on_tuning_split": best_served | {"spec": specs[best_served["setting"]]},
+                             "fast_returned_documents": fast_k,
+                             "fast_seconds_per_query_median": served_s, "table": table}
+    out["ekfac_settings"] = {"chosen_on_tuning_split": ek_best, "lds_tune": ek_table}
+    # planted facts under the served setting chosen here (run_eval.py's canary keys are the index default's)
+    docs = index_documents(work / "index", ["doc_id", "external_id"])
+    ext_to_doc = dict(zip(docs["external_id"], docs["doc_id"], strict=True))
+    for kind in ("verbatim", "paraphrase"):
+        ranks = [rank_of(served[i], {ext_to_doc[e] for e in q["planted"]}) for i, q in enumerate(queries)
+                 if q["kind"] == kind]
+        out[f"canary_recall_at_10_{kind}_served_setting"] = summarise(ranks)["recall_at_10"]
+    # the guards: planted facts (this run's fast path) and the larger memorised-facts corpus
+    if Path(args.memorised).exists():
+        mem = json.loads(Path(args.memorised).read_text())
+        for k in ("canary_recall_at_10_verbatim_memorised", "candidate_recall_of_exact_top10_memorised"):
+            out[k] = mem.get(k)
+        out["memorised_corpus"] = {"file": args.memorised, "command": mem.get("command"), "date": mem.get("date")}
+    if Path(args.near_ties).exists():
+        nt = json.loads(Path(args.near_ties).read_text())
+        out["near_tie_query_share"] = nt.get("near_tie_query_share")
+        out["near_tie_corpus"] = {"file": args.near_ties, "tokens": nt.get("tokens"), "date": nt.get("date")}
     out["lds_split"] = {"subsets_tune": args.tune_subsets, "subsets_report": args.subsets - args.tune_subsets,
                         "queries_tune": len(tune_q), "queries_report": len(report_q),
                         "query_kinds": ["verbatim", "heldout"], "bootstrap_draws": args.boot,

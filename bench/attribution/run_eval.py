@@ -175,13 +175,20 @@ def _baseline(method: str, work: Path, index_dir: Path, queries: list[dict], n_d
     from bench.attribution import baselines
     from prism_tda.engine import layout
 
-    kw = {"single_queries": 8} if method in ("ekfac", "bergson") else {}
+    kw: dict = {"single_queries": 8} if method in ("ekfac", "bergson") else {}
+    if method == "ekfac":
+        kw["damping_scales"] = baselines.EKFAC_DAMPING_SCALES
     r = baselines.score_index(method, index_dir, [(q["prompt_ids"], q["completion_ids"]) for q in queries],
                               work / f"{method}_store", **kw)
-    per_doc = np.zeros((len(queries), n_docs), dtype=np.float64)
-    for s, d in enumerate(r["seq_doc"]):
-        per_doc[:, d] += r["scores"][:, s]
-    np.save(work / f"scores_{method}.npy", per_doc.astype(np.float32))
+
+    def per_document(seq_scores: np.ndarray) -> np.ndarray:
+        per_doc = np.zeros((len(queries), n_docs), dtype=np.float64)
+        np.add.at(per_doc.T, np.asarray(r["seq_doc"]), seq_scores.T.astype(np.float64))
+        return per_doc.astype(np.float32)
+
+    np.save(work / f"scores_{method}.npy", per_document(r["scores"]))
+    for c, s in r.get("scores_by_damping", {}).items():
+        np.save(work / f"scores_{method}_damping_{c:g}.npy", per_document(s))
     out = {"setup_seconds": r["fit_seconds"], "score_seconds": r["score_seconds"],
            "seconds_per_query": r["score_seconds"] / len(queries), "n_train_sequences": len(r["seq_doc"]),
            "n_params": sum(p.numel() for p in r["model"].parameters())}

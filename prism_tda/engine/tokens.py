@@ -33,6 +33,19 @@ class TokenBatch:
     proto_max_cos: torch.Tensor  # (K,) max_t cos(p_i, z_t) over this batch
 
 
+def pad_batch(tokens: list[list[int]], targets: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Right-padded (B, T) token ids, targets and the mask of real tokens."""
+    B, T = len(tokens), max(len(t) for t in tokens)
+    x = torch.zeros(B, T, dtype=torch.long)
+    y = torch.zeros(B, T, dtype=torch.long)
+    mask = torch.zeros(B, T, dtype=torch.bool)
+    for b, (tk, tg) in enumerate(zip(tokens, targets, strict=True)):
+        x[b, : len(tk)] = torch.as_tensor(tk)
+        y[b, : len(tg)] = torch.as_tensor(tg)
+        mask[b, : len(tk)] = True
+    return x, y, mask
+
+
 @torch.no_grad()
 def run_batch(
     model: PRISM, tokens: list[list[int]], targets: list[list[int]], *,
@@ -49,14 +62,8 @@ def run_batch(
         ends = [int(p.max()) + 1 if len(p) else 1 for p in positions]
         tokens = [t[:e] for t, e in zip(tokens, ends, strict=True)]
         targets = [t[:e] for t, e in zip(targets, ends, strict=True)]
-    B, T = len(tokens), max(len(t) for t in tokens)
-    x = torch.zeros(B, T, dtype=torch.long)
-    y = torch.zeros(B, T, dtype=torch.long)
-    mask = torch.zeros(B, T, dtype=torch.bool)
-    for b, (tk, tg) in enumerate(zip(tokens, targets, strict=True)):
-        x[b, : len(tk)] = torch.as_tensor(tk)
-        y[b, : len(tg)] = torch.as_tensor(tg)
-        mask[b, : len(tk)] = True
+    x, y, mask = pad_batch(tokens, targets)
+    B, T = x.shape
     if positions is not None:
         keep = torch.zeros(B, T, dtype=torch.bool)
         for b, p in enumerate(positions):
