@@ -115,3 +115,19 @@ def test_demo_serve_and_sql_share_one_state_directory(index, tmp_path, monkeypat
     # ... is what `prism sql` sees from the same directory, with no option
     assert main(["sql", "--index", str(index), "--json", "SELECT job_id, doc_id FROM audit_results"]) == 0
     assert json.loads(capsys.readouterr().out)["rows"] == [[job["id"], 3]]
+
+
+def test_demo_rebuilds_an_index_of_another_config(index, tmp_path):
+    """`prism demo` reuses its index when the config is the one asked for, and rebuilds it (an index
+    is derived data) when a field that changes the stored rows differs, e.g. an older damping default."""
+    import shutil
+
+    from prism_tda.cli.serve import _drop_outdated_index
+    from tests.conftest import index_cfg
+
+    copy = tmp_path / "index"
+    shutil.copytree(index, copy)
+    _drop_outdated_index(copy, index_cfg())
+    assert (copy / "manifest.json").is_file()
+    _drop_outdated_index(copy, index_cfg(damping_scope="global", damping=1.0))
+    assert not copy.exists()

@@ -49,7 +49,7 @@ def main(argv: list[str] | None = None) -> dict:
         S = np.stack([att.document_scores(att.encode(QuerySpec(q["prompt"], q["completion"])), "exact",
                                           damping=base * mult)["cosine_max"] for q in queries])
         P = M @ S.T
-        row = {"damping_multiplier": mult, "damping": float(base * mult * att.reader.mean_eig)}
+        row = {"damping_multiplier": mult, "damping": float(base * mult * att.reader.damping_unit.mean())}
         for name, kinds in (("lds", ("verbatim", "heldout")), ("lds_facts", ("verbatim",)), ("lds_heldout", ("heldout",))):
             sel = [i for i, q in enumerate(queries) if q["kind"] in kinds]
             row[name] = float(np.mean([spearman(P[:, i], -L[:, i]) for i in sel]))

@@ -59,7 +59,7 @@ from tqdm.auto import tqdm
 from bench._common import finish
 from bench.attribution.lds_report import interval, splits, top_only
 from prism_tda.engine import Attributor, QuerySpec
-from prism_tda.engine.curvature import self_influence
+from prism_tda.engine.curvature import damping_unit, self_influence
 from prism_tda.engine.scoring import Preconditioner, TargetColumns, match_cosines, score_tokens
 from prism_tda.engine.tokens import pad_batch, run_batch
 
@@ -174,13 +174,8 @@ def per_prototype_inv(att: Attributor, counts: np.ndarray, c: float) -> torch.Te
     """(K, d) 1 / (lam_i + c m~_i): damping relative to each prototype's own mean eigenvalue, shrunk
     toward the mean over used prototypes by a pseudo-count of a tenth of the mean usage."""
     lam = att.reader.curv.lam
-    m_i = lam.mean(1).double()
-    used = torch.from_numpy(counts > 0)
-    m = m_i[used].mean()
-    n = torch.from_numpy(counts).double()
-    n0 = 0.1 * n[used].mean()
-    m_tilde = (n * m_i + n0 * m) / (n + n0)
-    return (1.0 / (lam.double() + c * m_tilde[:, None])).float()
+    unit = damping_unit(lam, torch.from_numpy(counts), "prototype")  # the index's own rule (damping_scope)
+    return (1.0 / (lam.double() + c * unit.double())).float()
 
 
 # --------------------------------------------------------------------------- scores of one setting
@@ -299,8 +294,9 @@ def main(argv: list[str] | None = None) -> dict:
     counts = np.bincount(ct.protos[ct.acts > 0].ravel(), minlength=att.reader.n_prototypes).astype(np.float64)
 
     def pre_of(kind: str, c: float) -> Preconditioner:
-        if kind == "global":
-            return att.preconditioner(c)
+        if kind == "global":  # whatever the index's own scope: these settings were measured on a global one
+            unit = damping_unit(att.reader.curv.lam, torch.from_numpy(counts), "global")
+            return Preconditioner(c, (1.0 / (att.reader.curv.lam + c * unit)).float(), False)
         return Preconditioner(c, per_prototype_inv(att, counts, c), False)
 
     settings = {  # name -> (damping kind, c, model parts)

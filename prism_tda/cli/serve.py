@@ -24,16 +24,22 @@ log = logging.getLogger("prism")
 DEMO_PROMPTS = ["The only way to", "A computer", "Love is", "Never trust"]
 
 
-def _drop_outdated_index(index_dir: Path) -> None:
-    """The demo rebuilds its index when an older version of the project wrote it (or another config)."""
+def _drop_outdated_index(index_dir: Path, cfg: Any) -> None:
+    """The demo rebuilds its index when an older version of the project wrote it, or with another
+    config (``cfg``, an ``IndexConfig``; an older default, such as the damping, counts)."""
     import shutil
 
     from prism_tda.engine import layout
 
     try:
-        layout.read_manifest(index_dir)
+        m = layout.read_manifest(index_dir)
     except PrismError as e:
         log.info("rebuilding the demo index", extra={"reason": str(e)})
+        shutil.rmtree(index_dir)
+        return
+    changed = [f for f in layout.IDENTITY_FIELDS if m is not None and getattr(m.config, f) != getattr(cfg, f)]
+    if changed:
+        log.info("rebuilding the demo index", extra={"reason": f"config changed: {changed}"})
         shutil.rmtree(index_dir)
 
 
@@ -67,7 +73,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
     training = ckpt.read_config(ckpt_path)["training"]
     t_train = time.perf_counter() - t0
     index_dir = out / "index"
-    _drop_outdated_index(index_dir)
+    _drop_outdated_index(index_dir, index_cfg)
     index = build_index(ckpt_path, [demo_corpus_path()], index_dir, index_cfg, progress=not args.no_progress)
     summary = {
         "checkpoint": str(ckpt_path), "index": str(out / "index"),

@@ -18,6 +18,7 @@ if TYPE_CHECKING:
         AGGREGATIONS,
         Aggregation,
         Attribution,
+        ExactEstimate,
         Highlight,
         Mode,
         ProtoShare,
@@ -31,11 +32,12 @@ if TYPE_CHECKING:
     )
 
 _WHERE = {"Attributor": "attributor", "FirstStages": "candidates",
-          **{n: "types" for n in ("AGGREGATIONS", "Aggregation", "Attribution", "Highlight", "Mode", "ProtoShare",
+          **{n: "types" for n in ("AGGREGATIONS", "Aggregation", "Attribution", "ExactEstimate", "Highlight", "Mode", "ProtoShare",
                                   "QueryInfo", "QueryOptions", "QuerySpec", "ScoredDocument", "Timings",
                                   "TokenPrototype", "TokenView")}}
 
-__all__ = ["AGGREGATIONS", "Aggregation", "Attribution", "Attributor", "FirstStages", "Highlight", "Mode",
+__all__ = ["AGGREGATIONS", "Aggregation", "Attribution", "Attributor", "ExactEstimate", "FirstStages", "Highlight",
+           "Mode",
            "ProtoShare", "QueryInfo", "QueryOptions", "QuerySpec", "ScoredDocument", "Timings", "TokenPrototype",
            "TokenView"]
 

@@ -32,7 +32,7 @@ from prism_tda.model import checkpoint as ckpt
 
 from . import layout
 from .candidates import FirstStages, posting_plan
-from .exact import exhaustive
+from .exact import exhaustive, measure_rate
 from .layout import IndexManifest
 from .present import scored_document
 from .query import Query, QueryEncoder
@@ -52,7 +52,16 @@ from .steering import MEASURES, Discovered, PrototypeMass, rank_prototypes, sign
 
 if TYPE_CHECKING:
     from .cluster import ClusterSpec
-from .types import AGGREGATIONS, Aggregation, Attribution, Mode, QueryOptions, QuerySpec, Timings
+from .types import (
+    AGGREGATIONS,
+    Aggregation,
+    Attribution,
+    ExactEstimate,
+    Mode,
+    QueryOptions,
+    QuerySpec,
+    Timings,
+)
 
 
 class Attributor:
@@ -82,6 +91,7 @@ class Attributor:
             self.reader, self.shards = RemoteReader(index_dir, self.model.W, ray_shards), ray_shards
         self.stages = stages or FirstStages()
         self.exact_token_limit = exact_token_limit
+        self._exact_rate: float | None = None  # tokens/s of the exact pass here: measured, then the last pass's
         self.encoder = QueryEncoder(self.model, self.tokenizer, self.reader.curv.Q, self.reader.curv.u_dim)
         self._pre = PreconditionerCache(self.reader)
         self._corpus_mass: PrototypeMass | None = None
@@ -110,7 +120,7 @@ class Attributor:
         self.reader.close()
 
     def preconditioner(self, damping: float | None = None) -> Preconditioner:
-        """The curvature at ``damping`` x the mean eigenvalue (default: the index's)."""
+        """The curvature at ``damping`` x the index's damping unit (default: the index's)."""
         return self._pre.get(damping)
 
     def encode(self, spec: QuerySpec) -> Query:
@@ -130,10 +140,19 @@ class Attributor:
                                                  st.token_candidates if token_stage else 0, ctx)
         return np.unique(np.concatenate([found, posted]))
 
-    def _check_exact(self) -> None:
+    def check_exact(self) -> None:
         if self.exact_token_limit is not None and self.reader.n_tokens > self.exact_token_limit:
             raise QueryError(f"mode: 'exact' runs the model over every training token ({self.reader.n_tokens:,} "
                              f"here, over this server's limit of {self.exact_token_limit:,}); use 'fast'")
+
+    def exact_estimate(self) -> ExactEstimate:
+        """What ``mode="exact"`` costs on this index here, before it starts: the tokens it recomputes and
+        the seconds at this process's rate (timed on a few batches the first time, then the rate of the
+        last exact pass)."""
+        if self._exact_rate is None:
+            self._exact_rate = measure_rate(self.model, self.reader, self.preconditioner())
+        n = self.reader.n_tokens
+        return ExactEstimate(n, n / self._exact_rate, self._exact_rate)
 
     def _fast(self, q: Query, opt: QueryOptions, pre: Preconditioner, ctx: CallContext | None = None,
               seqs: np.ndarray | None = None) -> tuple[TokenScores, int, list, int]:
@@ -170,10 +189,12 @@ class Attributor:
 
     def _exhaustive(self, q: Query, opt: QueryOptions, pre: Preconditioner,
                     stop: threading.Event | None = None) -> tuple[TokenScores, int, list, int]:
-        self._check_exact()
+        self.check_exact()
         sign = -1.0 if opt.opponents else 1.0
+        t0 = time.perf_counter()
         tot = exhaustive(self.model, self.reader, [q], pre, sign=sign, match=opt.aggregation == "cosine_match",
                          on_batch=lambda _: check_stop(stop, "the exact attribution"))[0]
+        self._exact_rate = self.reader.n_tokens / max(time.perf_counter() - t0, 1e-9)
         keep = None if opt.include_untrained else self.reader.trained(np.arange(self.reader.n_docs))
         top, per_doc, _ = tot.rank(opt.aggregation, sign, opt.n_documents, keep)
         ties = tot.tied_beyond(opt.aggregation, sign, opt.n_documents, keep)
@@ -312,7 +333,7 @@ class Attributor:
                               progress: bool = False) -> list[dict[Aggregation, np.ndarray]]:
         """Every document's exact score under each aggregation for many encoded queries, all in one pass
         of the model over the corpus (``match``: ``cosine_match`` too)."""
-        self._check_exact()
+        self.check_exact()
         with torch.no_grad():
             return [t.scores(1.0) for t in exhaustive(self.model, self.reader, queries, self.preconditioner(damping),
                                                       match=match, progress=progress)]
@@ -329,7 +350,7 @@ class Attributor:
         the other candidates' approximate ones."""
         pre = self.preconditioner(damping)
         if mode == "exact":
-            self._check_exact()
+            self.check_exact()
             return exhaustive(self.model, self.reader, [q], pre, match=match)[0].scores(1.0)
         opt = QueryOptions(n_candidates=n_candidates, damping=damping, exact_rerank=exact_rerank,
                            aggregation="cosine_match" if match else "cosine_max",

@@ -67,7 +67,7 @@ class IndexCalibration:
     # ---------------------------------------------------------------------------- files
     def save(self, path: Path) -> None:
         c = self.curvature
-        t = {"Q": c.Q, "lam": c.lam, "damping": c.damping.reshape(1).float(),
+        t = {"Q": c.Q, "lam": c.lam, "damping": c.damping.reshape(-1).float(),
              "n_tokens": torch.tensor([c.n_tokens], dtype=torch.float64), "codec_centroids": self.codec_centroids,
              "codec_scale": self.codec_scale, "codec_bits": torch.tensor([self.codec_bits]), "cells": self.cells,
              "act_lo": self.act_lo, "act_hi": self.act_hi}
@@ -78,7 +78,7 @@ class IndexCalibration:
     @classmethod
     def load(cls, path: Path) -> IndexCalibration:
         t = load_file(str(path))
-        curv = Curvature(t["Q"].float(), t["lam"].float(), t["damping"][0].float(), int(t["n_tokens"][0]))
+        curv = Curvature(t["Q"].float(), t["lam"].float(), t["damping"].float(), int(t["n_tokens"][0]))  # (1,): global
         return cls(curv, t["codec_centroids"].float(), t["codec_scale"].float(), int(t["codec_bits"][0]),
                    t["cells"].float(), t["act_lo"].float(), t["act_hi"].float(),
                    t["codec_dir_centroids"].float() if "codec_dir_centroids" in t else None)

@@ -6,6 +6,15 @@ shared eigenbasis ``Q`` (of ``S = sum_t u_t u_t^T``) and per-prototype eigenvalu
 corrections are additive over tokens (``CurvatureStats``), and they are exactly the best
 diagonal approximation of ``H_i`` in that basis.
 
+Damping (``index.damping`` x a unit, ``index.damping_scope``): ``prototype`` (the default) damps
+each block relative to its own mean eigenvalue, ``lam_i = c m~_i`` with
+``m~_i = (n_i m_i + n0 m) / (n_i + n0)``: ``m_i`` the mean of ``lambda_i``, ``n_i`` the tokens where
+prototype i is active, ``m`` the mean of ``m_i`` over used prototypes and ``n0`` a tenth of their mean
+``n_i`` (a pseudo-count that shrinks rarely used prototypes toward ``m``). ``global`` damps every block
+by ``c m``. The corrections are divided by all N tokens, so under a global damping a rarely used
+prototype's block sits below it and is hardly whitened; the per-prototype unit fixes that
+(docs/attribution.md, "LDS levers").
+
 Memory: ``Q`` is d x d and the corrections K x d, in float32: ``4 (d^2 + K d)`` bytes, 1.3 MB at
 d=256, K=1024.
 """
@@ -24,8 +33,11 @@ from .tokens import TokenBatch
 class Curvature:
     Q: torch.Tensor  # (d, d) eigenbasis, columns by descending eigenvalue
     lam: torch.Tensor  # (K, d) per-prototype eigenvalue corrections, (1/N) sum a^2 (Q^T u)^2
-    damping: torch.Tensor  # () the absolute damping lambda added to every eigenvalue
+    damping: torch.Tensor  # (K, 1), or (1, 1) for one value: the absolute damping added to each block's eigenvalues
     n_tokens: int
+
+    def __post_init__(self) -> None:
+        self.damping = self.damping.float().reshape(-1, 1)
 
     @property
     def u_dim(self) -> int:
@@ -50,13 +62,35 @@ def fit_basis(S: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return (Q * sign).float(), evals[order].float()
 
 
-def finalize(Q: torch.Tensor, lam_sum: torch.Tensor, count: torch.Tensor, n_tokens: int, damping: float) -> Curvature:
-    """Normalise the summed corrections and set the damping to ``damping`` x mean eigenvalue
-    over prototypes that were active at least once."""
-    lam = (lam_sum / max(n_tokens, 1)).float()
+SCOPES = ("prototype", "global")
+
+
+def mean_eigenvalue(lam: torch.Tensor, count: torch.Tensor) -> torch.Tensor:
+    """() the mean eigenvalue over prototypes active at least once (over all, when none is)."""
     used = count > 0
-    mean_eig = lam[used].mean() if used.any() else lam.mean()
-    return Curvature(Q.float(), lam, (damping * mean_eig).float(), n_tokens)
+    return lam[used].mean() if used.any() else lam.mean()
+
+
+def damping_unit(lam: torch.Tensor, count: torch.Tensor, scope: str) -> torch.Tensor:
+    """(K, 1) the unit ``index.damping`` multiplies (module docstring): each prototype's mean
+    eigenvalue shrunk toward the global mean by a pseudo-count, or the global mean for every block."""
+    if scope not in SCOPES:
+        raise ValueError(f"damping scope must be one of {SCOPES}, got {scope!r}")
+    lam, n = lam.double(), count.double()
+    m = mean_eigenvalue(lam, n)
+    if scope == "global":
+        return m.reshape(1, 1).float()
+    used = n > 0
+    n0 = 0.1 * (n[used].mean() if used.any() else n.new_tensor(1.0))
+    m_i = lam.mean(1)
+    return ((n * m_i + n0 * m) / (n + n0)).reshape(-1, 1).float()
+
+
+def finalize(Q: torch.Tensor, lam_sum: torch.Tensor, count: torch.Tensor, n_tokens: int, damping: float,
+             scope: str = "global") -> Curvature:
+    """Normalise the summed corrections and set the damping to ``damping`` x the unit of ``scope``."""
+    lam = (lam_sum / max(n_tokens, 1)).float()
+    return Curvature(Q.float(), lam, damping * damping_unit(lam, count, scope), n_tokens)
 
 
 class CurvatureStats:

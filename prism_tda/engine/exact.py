@@ -7,6 +7,7 @@ reference the fast path is measured against, not a served default. Many queries 
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -69,6 +70,23 @@ def exhaustive(model: PRISM, reader: Reads, queries: list[Query], pre: Precondit
             if on_batch is not None:
                 on_batch(len(rows))
     return totals
+
+
+def measure_rate(model: PRISM, reader: Reads, pre: Preconditioner, *, n_seqs: int = 64,
+                 batch_size: int = 32) -> float:
+    """Tokens per second of the exact pass on this machine: the index's first ``n_seqs`` sequences run
+    as ``exhaustive`` runs them (forward, token vectors, ``I(t, t)``), the first batch's warm-up
+    included, so the rate errs low (an estimate from it errs long)."""
+    n = min(n_seqs, reader.n_seqs)
+    Q, n_tok = reader.curv.Q, 0
+    t0 = time.perf_counter()
+    with torch.no_grad():
+        for b in range(0, n, batch_size):
+            toks, tgts = zip(*(reader.sequence_tokens(s) for s in range(b, min(b + batch_size, n))), strict=True)
+            tb = run_batch(model, list(toks), list(tgts))
+            self_influence(tb.u @ Q, tb.proto_idx.numpy(), tb.acts.float().numpy(), pre.inv)
+            n_tok += len(tb.u)
+    return n_tok / max(time.perf_counter() - t0, 1e-9)
 
 
 def exact_document_scores(model: PRISM, reader: Reads, queries: list[Query], pre: Preconditioner,

@@ -84,7 +84,10 @@ class IndexConfig(Config):
     batch_size: int = 32  # sequences per forward batch
     shard_bytes: int = 64 << 20  # corpus bytes per work unit (one unit = one shard)
     calibration_tokens: int = 262_144  # tokens of the sample that fixes curvature, codebooks and cells
-    damping: float = 1.0  # lambda = damping * mean eigenvalue of the per-prototype curvature blocks
+    # lambda_i = damping x a unit (engine/curvature.py): "prototype", each block's own mean eigenvalue shrunk
+    # toward the global mean; "global", the mean over blocks (set damping with it: 1.0 was its default)
+    damping: float = 0.03
+    damping_scope: str = "prototype"
     embed_dim: int = 64  # JL projection width r of the per-sequence embeddings
     sketch_buckets: int = 16  # count-sketch buckets B over the prototype axis; embedding width r * B
     faiss_spec: str = "auto"  # FAISS factory string; "auto": Flat when small, IVF-PQ when large
@@ -100,6 +103,8 @@ class IndexConfig(Config):
                      "code_subquantizers", "posting_entries", "posting_cells"):
             _check(getattr(self, name) > 0, f"index.{name} must be > 0, got {getattr(self, name)}")
         _check(self.stride is None or self.stride > 0, f"index.stride must be > 0, got {self.stride}")
+        _check(self.damping_scope in ("prototype", "global"),
+               f"index.damping_scope must be prototype|global, got {self.damping_scope!r}")
         _check(self.damping > 0, f"index.damping must be > 0, got {self.damping}")
         _check(self.code_bits in (8, 12, 16), f"index.code_bits must be 8, 12 or 16, got {self.code_bits}")
         _check(self.code_bits != 12 or self.code_subquantizers % 2 == 0,
@@ -108,8 +113,8 @@ class IndexConfig(Config):
 
 
 # Fields whose change alters rows (batch size does not; dtype does only on a GPU, and is recorded).
-IDENTITY_FIELDS = ("stride", "shard_bytes", "calibration_tokens", "damping", "embed_dim", "sketch_buckets",
-                   "faiss_spec", "code_subquantizers", "code_bits", "posting_entries", "posting_cells", "seed")
+IDENTITY_FIELDS = ("stride", "shard_bytes", "calibration_tokens", "damping", "damping_scope", "embed_dim",
+                   "sketch_buckets", "faiss_spec", "code_subquantizers", "code_bits", "posting_entries", "posting_cells", "seed")
 
 
 @dataclass
@@ -198,7 +203,8 @@ class IndexManifest:
                              "(delete it and run the same `prism index` command)")
         try:
             return cls(identity=d["identity"], checkpoint=d["checkpoint"], corpus=d["corpus"],
-                       config=IndexConfig.from_dict(d["config"], where=f"{where}: config"), model=d["model"],
+                       config=IndexConfig.from_dict({"damping_scope": "global", **d["config"]},  # older: global
+                                                    where=f"{where}: config"), model=d["model"],
                        versions=d["versions"], units=[WorkUnit(**u) for u in d.get("units", [])],
                        calibration=Calibration(**d["calibration"]) if d.get("calibration") else None,
                        shards=[ShardInfo(**s) for s in d.get("shards", [])], complete=bool(d.get("complete")),

@@ -54,7 +54,7 @@ class IndexWide:
         self.calib = IndexCalibration.load(self.dir / layout.CALIBRATION)
         self.curv = self.calib.curvature
         self._codec = self.calib.codec(W) if W is not None else None
-        self.mean_eig = float(self.curv.damping) / self.cfg.damping  # the damping unit
+        self.damping_unit = self.curv.damping / self.cfg.damping  # (K, 1) or (1, 1): engine/curvature.py
         self.act_table = self.calib.act_table()
         self.sketch = Sketch(self.n_prototypes, self.curv.u_dim, self.cfg.embed_dim, self.cfg.sketch_buckets,
                              self.cfg.seed)
@@ -79,8 +79,8 @@ class IndexWide:
         return self._codec
 
     def inv(self, damping: float) -> torch.Tensor:
-        """(K, d) diagonal of (H_i + damping * mean_eig * I)^{-1} in the Q basis."""
-        return 1.0 / (self.curv.lam + damping * self.mean_eig)
+        """(K, d) diagonal of (H_i + damping * unit_i * I)^{-1} in the Q basis."""
+        return 1.0 / (self.curv.lam + damping * self.damping_unit)
 
     def query_embedding(self, G_pre: torch.Tensor) -> np.ndarray:
         """(1, D) the normalised sketch embedding of the preconditioned query columns ``G_pre`` (K, d)."""

@@ -39,7 +39,7 @@ from .types import Aggregation
 class Preconditioner:
     """The curvature at one damping: ``inv`` (K, d) = diag (H_i + lam I)^{-1} in the Q basis."""
 
-    damping: float  # x the mean curvature eigenvalue
+    damping: float  # x the index's damping unit (engine/curvature.py)
     inv: torch.Tensor
     is_index_default: bool  # the stored I(t, t) are at this damping
 
@@ -61,7 +61,7 @@ class PreconditionerCache:
         return len(self._items)
 
     def get(self, damping: float | None = None) -> Preconditioner:
-        """The curvature at ``damping`` x the mean eigenvalue (None: the index's)."""
+        """The curvature at ``damping`` x the damping unit (None: the index's)."""
         default = self.reader.cfg.damping
         damping = default if damping is None else float(damping)
         if not damping > 0 or not np.isfinite(damping):

@@ -56,7 +56,9 @@ class QueryOptions:
     opponents: bool = False
     """Return the documents that most oppose the output."""
     damping: Annotated[float | None, Field(gt=0, le=1e6)] = None
-    """Curvature damping, x the mean curvature eigenvalue (default: the index's)."""
+    """Curvature damping, x the index's damping unit: each prototype's own (shrunk) mean curvature
+    eigenvalue, or the mean over prototypes for an index built with ``damping_scope=global`` (default:
+    the index's)."""
     aggregation: Aggregation = "cosine_max"
     """How a document's token scores make its score: the best token's cosine (default), the sum of
     cosines, the best or summed raw influence, or cosine_match: each target token matched to its best
@@ -176,6 +178,20 @@ class QueryInfo:
 
 
 @dataclass
+class ExactEstimate:
+    """What ``mode: exact`` costs on an index, before it starts."""
+
+    __pydantic_config__ = _DOCS
+
+    tokens: int
+    """Training tokens it recomputes with the model (all of the index's)."""
+    seconds: float
+    """Expected wall time at ``tokens_per_s``."""
+    tokens_per_s: float
+    """This process's measured rate: a few timed batches at first, then the last exact pass's."""
+
+
+@dataclass
 class Timings:
     """Milliseconds spent per stage."""
 
@@ -201,7 +217,7 @@ class Attribution:
     mode: Mode
     aggregation: Aggregation
     damping: float
-    """The damping used, x the mean curvature eigenvalue."""
+    """The damping used, x the index's damping unit."""
     query: QueryInfo
     documents: list[ScoredDocument]
     per_token: list[TokenView]

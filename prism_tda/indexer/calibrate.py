@@ -24,7 +24,7 @@ from tokenizers import Tokenizer
 from prism_tda.corpus import CorpusStats, WorkUnit, read_unit
 from prism_tda.engine.calibration import IndexCalibration
 from prism_tda.engine.codec import TokenCodec
-from prism_tda.engine.curvature import CurvatureStats, finalize, fit_basis
+from prism_tda.engine.curvature import CurvatureStats, finalize, fit_basis, mean_eigenvalue
 from prism_tda.engine.layout import FAISS_TEMPLATE, Calibration, IndexConfig
 from prism_tda.engine.sketch import Sketch, embed_sequences, normalise
 from prism_tda.engine.tokens import run_batch
@@ -138,8 +138,9 @@ def calibrate(model: PRISM, tokenizer: Tokenizer, units: list[WorkUnit], cfg: In
     for j in range(a.shape[1]):
         lam.index_add_(0, p[:, j], (a[:, j : j + 1].double() ** 2) * ut.double() ** 2)
     count = torch.bincount(p[a > 0], minlength=K).double()
-    curv = finalize(Q, lam, count, len(u), cfg.damping)
-    scale = (curv.lam.mean(0) + curv.damping).rsqrt()  # D^{-1/2}
+    curv = finalize(Q, lam, count, len(u), cfg.damping, cfg.damping_scope)
+    # D^{-1/2}, over blocks: the codec's scale, at the index's multiplier of the global mean eigenvalue
+    scale = (curv.lam.mean(0) + cfg.damping * mean_eigenvalue(curv.lam, count)).rsqrt()
     W = model.W.detach().float().cpu()
     codec = TokenCodec.train(ut + W[y] @ Q, scale, W, Q, n_sub=cfg.code_subquantizers, bits=cfg.code_bits,
                              seed=cfg.seed, u=ut)

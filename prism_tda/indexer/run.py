@@ -283,7 +283,8 @@ class Indexer:
         for s in m.shards:
             corpus.merge(CorpusStats.from_dict(s.corpus))
         # how far the calibration sample's curvature is from the whole corpus's
-        full = finalize(calib.curvature.Q, total.lam, total.count, max(n_tok, 1), self.cfg.damping)
+        full = finalize(calib.curvature.Q, total.lam, total.count, max(n_tok, 1), self.cfg.damping,
+                        self.cfg.damping_scope)
         used = total.count > 0
         rel = (calib.curvature.lam[used] - full.lam[used]).norm() / full.lam[used].norm().clamp_min(1e-30)
         usage = usage_stats(total.mass)
@@ -300,7 +301,7 @@ class Indexer:
             # tokens whose codes are of their direction (confidently predicted: engine/codec.py)
             "direction_code_share": sum(int(s.stats.get("direction_codes", 0)) for s in m.shards) / max(n_tok, 1),
             "R1bar": float(total.max_cos.mean()), "R2": float(total.scalars[2]) / max(n_tok, 1),
-            **usage, "damping": float(calib.curvature.damping),
+            **usage, "damping": float(calib.curvature.damping.mean()), "damping_scope": self.cfg.damping_scope,
             "calibration": {"tokens": m.calibration.tokens if m.calibration else 0,
                             "corrections_relative_error_vs_corpus": float(rel),
                             "faiss_spec": m.calibration.faiss_spec if m.calibration else None},

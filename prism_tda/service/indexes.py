@@ -93,6 +93,18 @@ class LoadedIndex:
     def attribute(self, spec: QuerySpec, options: QueryOptions, stop: threading.Event | None = None) -> Attribution:
         return self.attributor.attribute(spec, options, stop=stop)
 
+    def check_exact_time(self, limit_s: float) -> None:
+        """Refuse ``mode: exact`` for one request when its estimate is over ``limit_s`` seconds, with the
+        estimate and the way to run it anyway (an audit, in the background)."""
+        self.attributor.check_exact()
+        est = self.attributor.exact_estimate()
+        if est.seconds > limit_s:
+            raise problems.InvalidQuery(
+                f"mode: 'exact' recomputes all {est.tokens:,} training tokens of index {self.name!r}, about "
+                f"{est.seconds:,.0f} s at this server's measured {est.tokens_per_s:,.0f} tokens/s: over its limit "
+                f"of {limit_s:g} s for one request. Submit the same query as an audit item (POST /v1/audits) "
+                "to run it in the background, or use mode 'fast'")
+
     def generate(self, prompt: str, *, max_new_tokens: int, temperature: float, sample_top_k: int | None,
                  seed: int, suppress: list[int]) -> tuple[Generation, int]:
         """A continuation of ``prompt`` and the prompt's length in tokens."""

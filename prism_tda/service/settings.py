@@ -104,6 +104,10 @@ class Settings(BaseSettings):
     exact_max_tokens: int = Field(
         2_000_000, ge=0, description="Largest index (in tokens) on which `mode: exact` is answered: it runs the model "
                                      "over every training token. Larger indexes answer 422 `invalid-query`.")
+    exact_max_seconds: float = Field(
+        60.0, gt=0, description="Longest `mode: exact` answered within one request, by its estimate (the index's "
+                                "tokens at this process's measured rate); longer ones answer 422 `invalid-query` "
+                                "with the estimate, and run as audit items, in the background.")
     sql_timeout_s: float = Field(5.0, gt=0, description="Time limit of one SQL query; the query is "
                                                         "interrupted when it runs out.")
     sql_max_rows: int = Field(10_000, ge=1, description="Most rows a SQL query may return; larger results "

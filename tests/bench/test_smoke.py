@@ -34,3 +34,15 @@ def test_shared_helpers_run_on_the_tiny_index(index, tmp_path):
     assert Attributor.open(syn).reader.n_tokens == 2 * att.reader.n_tokens
     sizes = disk_bytes(syn)
     assert sizes["tokens"] > 0 and sizes["manifest"] > 0
+
+
+def test_index_throughput_runs_on_the_tiny_checkpoint(tiny_ckpt, tmp_path):
+    """bench/index_throughput.py end to end at two small scales: its ratios come from this run's timings."""
+    from bench.index_throughput import main
+
+    res = main(["--checkpoint", str(tiny_ckpt), "--docs", "40", "--scales", "1,2", "--work", str(tmp_path / "w"),
+                "--out", str(tmp_path / "index.json")])
+    assert [r["documents"] for r in res["scaling"]] == [40, 80]
+    for key in ("throughput_ratio", "whole_job_ratio", "shard_stage_ratio_largest", "forward_tokens_per_s"):
+        assert res[key] > 0, key
+    assert res["whole_job_ratio"] < res["shard_stage_ratio_largest"]  # the whole job includes the shard stage

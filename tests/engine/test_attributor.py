@@ -381,3 +381,22 @@ def test_the_damping_cache_is_bounded(att):
     assert len(att._pre) <= 8
     with pytest.raises(QueryError, match="damping"):
         att.preconditioner(float("nan"))
+
+
+def test_exact_mode_is_estimated_before_it_starts(index):
+    """The estimate comes from a few timed batches (a small share of the pass) and errs long; after an
+    exact pass it is that pass's own rate."""
+    import time
+
+    att = Attributor.open(index)
+    t0 = time.perf_counter()
+    est = att.exact_estimate()
+    measure_s = time.perf_counter() - t0
+    assert est.tokens == att.reader.n_tokens and est.tokens_per_s > 0
+    t0 = time.perf_counter()
+    att.attribute(COMPUTER, exact(3))
+    pass_s = time.perf_counter() - t0
+    assert measure_s < pass_s / 3  # it times 64 of the index's sequences
+    assert 0.3 < est.seconds / pass_s < 5  # the pass also scores and ranks; the timed batches warm up
+    after = att.exact_estimate()
+    assert after.seconds == pytest.approx(pass_s, rel=0.3)  # the pass's own rate, less its presentation

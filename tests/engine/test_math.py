@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from prism_tda.engine.codec import TokenCodec, code_bytes, pack, unpack, unpack_torch
-from prism_tda.engine.curvature import fit_basis
+from prism_tda.engine.curvature import Curvature, damping_unit, fit_basis
 from prism_tda.engine.sketch import Sketch, embed_sequences
 
 
@@ -114,3 +114,39 @@ def test_basis_is_orthonormal_sorted_and_sign_fixed():
     Q2, _ = fit_basis(S * (1 + 1e-12))
     assert torch.allclose(Q, Q2, atol=1e-5)  # equal inputs, equal bases (no sign flips)
     assert (Q.gather(0, Q.abs().argmax(0, keepdim=True)) > 0).all()
+
+
+def test_per_prototype_damping_unit_shrinks_rare_prototypes_toward_the_mean():
+    """``damping_unit``: each prototype's mean eigenvalue, shrunk toward the mean over used prototypes
+    by a pseudo-count of a tenth of their mean usage; the global unit is that mean for every block."""
+    g = torch.Generator().manual_seed(0)
+    scales = torch.tensor([1.0, 1e-3, 0.5, 1e-2, 0.0])
+    lam = torch.rand(5, 4, generator=g) * scales[:, None]
+    count = torch.tensor([1000.0, 20000.0, 2.0, 0.0, 0.0])  # 3 and 4 never active
+    m_i = lam.double().mean(1)
+    m = m_i[:3].mean()
+    n0 = 0.1 * count[:3].double().mean()
+    want = (count.double() * m_i + n0 * m) / (count.double() + n0)
+    got = damping_unit(lam, count, "prototype")
+    assert got.shape == (5, 1)
+    assert torch.allclose(got[:, 0].double(), want, rtol=1e-6)
+    assert float(got[3, 0]) == pytest.approx(float(m), rel=1e-6)  # unused: the global mean
+    assert float(got[2, 0]) == pytest.approx(float(m), rel=0.05)  # 2 tokens: mostly the global mean
+    glob = damping_unit(lam, count, "global")
+    assert glob.shape == (1, 1) and float(glob) == pytest.approx(float(m), rel=1e-6)
+    # a well-used block of small eigenvalues gets far less damping than the global unit, so it is whitened
+    assert float(got[1, 0]) < 0.1 * float(glob)
+    c = 0.03
+    whitened = lambda unit: float((lam[1] / (lam[1] + c * unit)).mean())  # noqa: E731
+    assert whitened(got[1]) > 5 * whitened(glob[0])
+    with pytest.raises(ValueError, match="damping scope"):
+        damping_unit(lam, count, "token")
+
+
+def test_curvature_reads_a_global_damping_of_older_calibrations():
+    """Calibrations written before per-prototype damping hold one damping value: it damps every block."""
+    lam = torch.rand(3, 2)
+    c = Curvature(torch.eye(2), lam, torch.tensor([0.25]), 10)
+    assert torch.allclose(c.inv(), 1.0 / (lam + 0.25))
+    per = Curvature(torch.eye(2), lam, torch.tensor([0.1, 0.2, 0.3]), 10)
+    assert torch.allclose(per.inv_sqrt(), (lam + torch.tensor([[0.1], [0.2], [0.3]])).rsqrt())

@@ -20,7 +20,7 @@ from safetensors.torch import load_file
 
 from prism_tda.engine import layout
 from prism_tda.engine.calibration import IndexCalibration
-from prism_tda.engine.curvature import CurvatureStats
+from prism_tda.engine.curvature import CurvatureStats, damping_unit
 from prism_tda.engine.reader import IndexReader
 from prism_tda.engine.tokens import run_batch
 from prism_tda.indexer.run import Indexer, IndexMismatchError, build_index
@@ -95,6 +95,24 @@ def test_stored_rows_are_the_models_own(index, tiny_ckpt):
         cosines += torch.nn.functional.cosine_similarity(dec, ut, dim=1).tolist()
     assert checked > 500
     assert np.mean(cosines) > 0.9  # 8-bit product codes of the expected embedding, target row exact
+
+
+def test_damping_is_per_prototype_from_the_corpus_usage(index, tiny_ckpt):
+    """The default index damps each prototype's block by 0.03 x its own mean eigenvalue shrunk toward
+    the mean (the calibration sample is the whole tiny corpus, so its usage is the stored one); a
+    query's other damping scales the same unit; a manifest written before the scope existed is read
+    as the global damping it was built with."""
+    r = _reader(index, tiny_ckpt)
+    calib = IndexCalibration.load(index / layout.CALIBRATION)
+    assert r.cfg.damping_scope == "prototype" and r.cfg.damping == 0.03
+    unit = damping_unit(calib.curvature.lam, _stats(index).count, "prototype")
+    assert torch.allclose(calib.curvature.damping, 0.03 * unit, rtol=1e-5)
+    assert torch.allclose(r.inv(0.3), 1.0 / (calib.curvature.lam + 0.3 * unit), rtol=1e-5)
+    assert len(torch.unique(unit)) > 10  # one value per used prototype, not one for all
+    data = json.loads((index / layout.MANIFEST).read_text())
+    del data["config"]["damping_scope"]
+    old = layout.IndexManifest.from_dict(data)
+    assert old.config.damping_scope == "global" and old.config.damping == 0.03
 
 
 def test_posting_lists_hold_each_tokens_strongest_prototypes(index, tiny_ckpt):

@@ -91,3 +91,37 @@ def test_audit_bad_inputs(client):
         assert_problem(client.get(path), 404, "audit-not-found", mentions="aud_missing")
     assert_problem(client.post("/v1/audits/aud_missing/cancel"), 404, "audit-not-found")
     assert_problem(client.get("/v1/audits/x/results", params={"format": "xml"}), 422, "validation-error")
+
+
+def test_exact_over_the_time_limit_is_refused_with_its_estimate_and_runs_as_an_audit(index, live, tmp_path):
+    """A server whose one-request limit on exact mode is below the estimate refuses it before the pass
+    (in a fraction of the pass's time), says how long it would take and how to run it anyway; the same
+    query as an audit item runs in the background and gives the answer exact mode gives without the limit."""
+    import re
+
+    import httpx
+
+    from .conftest import service_settings, serving
+
+    q = {"prompt": "A computer", "completion": " is a", "mode": "exact", "top_k": 3}
+    with httpx.Client(base_url=live.url, timeout=120) as free:
+        t0 = time.perf_counter()
+        want = free.post("/v1/attribute", json=q)
+        pass_s = time.perf_counter() - t0
+    assert want.status_code == 200, want.text
+    with serving(service_settings(index, tmp_path, exact_max_seconds=1e-3)) as slow, \
+            httpx.Client(base_url=slow.url, timeout=120) as c:
+        t0 = time.perf_counter()
+        body = assert_problem(c.post("/v1/attribute", json=q), 422, "invalid-query", mentions="POST /v1/audits")
+        refused_s = time.perf_counter() - t0
+        n_tokens = c.get("/readyz").json()["indexes"][0]["tokens"]
+        m = re.search(r"all ([\d,]+) training tokens .* about ([\d,]+) s at this server's measured ([\d,]+) "
+                      r"tokens/s: over its limit of 0.001 s", body["detail"])
+        assert m and int(m[1].replace(",", "")) == n_tokens, body["detail"]
+        assert refused_s < pass_s  # refused on the estimate, not after the pass
+        job = c.post("/v1/audits", json={"items": [{"prompt": q["prompt"], "completion": q["completion"]}],
+                                         "mode": "exact", "top_k": 3}).json()
+        done = wait_done(c, job["id"])
+        assert (done["status"], done["n_done"], done["n_failed"]) == ("completed", 1, 0)
+        got = c.get(f"/v1/audits/{job['id']}/items").json()["items"][0]
+    assert [d["doc_id"] for d in got["documents"]] == [d["doc_id"] for d in want.json()["documents"]]
