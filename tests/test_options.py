@@ -4,6 +4,7 @@ and audits) and from the command line: a field added to the engine without reach
 from __future__ import annotations
 
 import dataclasses
+import re
 import time
 
 import httpx
@@ -33,9 +34,9 @@ def recorded(monkeypatch):
     seen: list[tuple[QuerySpec, QueryOptions]] = []
     real = Attributor.attribute
 
-    def spy(self, spec, options=None, *, stop=None):
+    def spy(self, spec, options=None, *, stop=None, progress=False):
         seen.append((spec, options))
-        return real(self, QuerySpec(spec.prompt, " a"), QueryOptions(n_documents=1), stop=stop)
+        return real(self, QuerySpec(spec.prompt, " a"), QueryOptions(n_documents=1), stop=stop, progress=progress)
 
     monkeypatch.setattr(Attributor, "attribute", spy)
     return seen
@@ -60,7 +61,7 @@ def test_options_reach_the_engine_over_http(index, tmp_path, recorded):
         assert recorded[-1] == (QuerySpec("A computer", " is a", None, 1), QueryOptions(**CHOSEN))
 
 
-def test_options_reach_the_engine_from_the_command_line(index, recorded):
+def test_options_reach_the_engine_from_the_command_line(index, recorded, capsys):
     from prism_tda.cli import main
 
     argv = ["attribute", "--index", str(index), "--prompt", "A computer", "--completion", " is a",
@@ -69,3 +70,6 @@ def test_options_reach_the_engine_from_the_command_line(index, recorded):
             "--nprobe", "3", "--include-untrained", "--allow-partial"]
     assert main(argv) == 0
     assert recorded[-1] == (QuerySpec("A computer", " is a", None, 1), QueryOptions(**CHOSEN))
+    # exact mode says what it will cost before it starts
+    assert re.search(r"exact mode: recomputes all [\d,]+ training tokens, about [\d,]+ s at [\d,]+ tokens/s",
+                     capsys.readouterr().err)

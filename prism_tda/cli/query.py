@@ -68,7 +68,13 @@ def spec_and_options(args: argparse.Namespace) -> tuple[Any, Any]:
 def print_attribution(index_dir: str | Path, spec: Any, options: Any, as_json: bool = False) -> int:
     from prism_tda.engine import Attributor
 
-    res = Attributor.open(index_dir).attribute(spec, options)
+    att = Attributor.open(index_dir)
+    if options.mode == "exact":
+        att.check_exact()
+        est = att.exact_estimate()
+        print(f"exact mode: recomputes all {est.tokens:,} training tokens, about {est.seconds:,.0f} s at "
+              f"{est.tokens_per_s:,.0f} tokens/s here", file=sys.stderr, flush=True)
+    res = att.attribute(spec, options, progress=options.mode == "exact" and sys.stderr.isatty())
     if as_json:
         print(json.dumps(dataclasses.asdict(res), indent=2))
         return 0

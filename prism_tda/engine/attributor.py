@@ -187,13 +187,13 @@ class Attributor:
                                                 n=opt.n_documents)
         return exact, short.n_scored, ranked, ties
 
-    def _exhaustive(self, q: Query, opt: QueryOptions, pre: Preconditioner,
-                    stop: threading.Event | None = None) -> tuple[TokenScores, int, list, int]:
+    def _exhaustive(self, q: Query, opt: QueryOptions, pre: Preconditioner, stop: threading.Event | None = None,
+                    progress: bool = False) -> tuple[TokenScores, int, list, int]:
         self.check_exact()
         sign = -1.0 if opt.opponents else 1.0
         t0 = time.perf_counter()
         tot = exhaustive(self.model, self.reader, [q], pre, sign=sign, match=opt.aggregation == "cosine_match",
-                         on_batch=lambda _: check_stop(stop, "the exact attribution"))[0]
+                         progress=progress, on_batch=lambda _: check_stop(stop, "the exact attribution"))[0]
         self._exact_rate = self.reader.n_tokens / max(time.perf_counter() - t0, 1e-9)
         keep = None if opt.include_untrained else self.reader.trained(np.arange(self.reader.n_docs))
         top, per_doc, _ = tot.rank(opt.aggregation, sign, opt.n_documents, keep)
@@ -207,9 +207,9 @@ class Attributor:
                 [(where[int(best_tok[d])], float(sc)) for d, sc in zip(top, per_doc, strict=True)], ties)
 
     def attribute(self, spec: QuerySpec, options: QueryOptions | None = None, *,
-                  stop: threading.Event | None = None) -> Attribution:
+                  stop: threading.Event | None = None, progress: bool = False) -> Attribution:
         """Top training documents for one query. ``stop``: when set, ``mode="exact"`` stops at its next
-        batch (``Cancelled``)."""
+        batch (``Cancelled``); ``progress``: a progress bar for ``mode="exact"``."""
         opt = options or QueryOptions()
         if opt.aggregation not in AGGREGATIONS:
             raise QueryError(f"aggregation: must be one of {list(AGGREGATIONS)}, got {opt.aggregation!r}")
@@ -223,7 +223,7 @@ class Attributor:
         if opt.mode == "fast":
             scores, n_scored, ranked, ties = self._fast(q, opt, pre, ctx)
         else:
-            scores, n_scored, ranked, ties = self._exhaustive(q, opt, pre, stop)
+            scores, n_scored, ranked, ties = self._exhaustive(q, opt, pre, stop, progress)
         t3 = time.perf_counter()
         docs = [scored_document(self.reader, self.tokenizer, scores, best, score, rank, opponents=opt.opponents)
                 for rank, (best, score) in enumerate(ranked, 1)]
