@@ -33,9 +33,26 @@ class TextFormatter(logging.Formatter):
         return line
 
 
+class _Stderr(logging.StreamHandler):
+    """Writes to whatever ``sys.stderr`` is when a record is written, not when the handler was made:
+    a server started while stderr was redirected (a captured test, a daemonising wrapper) keeps
+    logging after the redirection ends, instead of failing on its closed stream."""
+
+    def __init__(self) -> None:
+        super().__init__()
+
+    @property
+    def stream(self):  # noqa: ANN201
+        return sys.stderr
+
+    @stream.setter
+    def stream(self, value) -> None:  # noqa: ANN001
+        pass
+
+
 def setup_logging(level: str = "info", fmt: str = "text") -> None:
     """Configure the root logger once: ``fmt`` is ``json`` (machines) or ``text`` (terminals)."""
-    handler = logging.StreamHandler(sys.stderr)
+    handler = _Stderr()
     handler.setFormatter(JsonFormatter() if fmt == "json" else TextFormatter())
     root = logging.getLogger()
     root.handlers[:] = [handler]
