@@ -37,7 +37,7 @@ def _drop_outdated_index(index_dir: Path, cfg: Any) -> None:
         log.info("rebuilding the demo index", extra={"reason": str(e)})
         shutil.rmtree(index_dir)
         return
-    changed = [f for f in layout.IDENTITY_FIELDS if m is not None and getattr(m.config, f) != getattr(cfg, f)]
+    changed = [] if m is None else [f for f in layout.IDENTITY_FIELDS if getattr(m.config, f) != getattr(cfg, f)]
     if changed:
         log.info("rebuilding the demo index", extra={"reason": f"config changed: {changed}"})
         shutil.rmtree(index_dir)

@@ -42,15 +42,18 @@ class ExactBatch:
 def exhaustive(model: PRISM, reader: Reads, queries: list[Query], pre: Preconditioner, *, sign: float = 1.0,
                batch_size: int = 32, progress: bool = False, match: bool = False,
                on_batch: Callable[[int], object] | None = None,
-               inspect: Callable[[ExactBatch], object] | None = None) -> list[DocumentTotals]:
-    """One pass of the model over every sequence of the index, scoring every token for each query;
-    with ``match``, each target token apart as well (``cosine_match``: one more product per target).
-    ``inspect``: called with every batch's exact quantities (for measurements beyond the totals)."""
+               inspect: Callable[[ExactBatch], object] | None = None,
+               n_seqs: int | None = None) -> list[DocumentTotals]:
+    """One pass of the model over every sequence of the index (the first ``n_seqs`` only, when given),
+    scoring every token for each query; with ``match``, each target token apart as well
+    (``cosine_match``: one more product per target). ``inspect``: called with every batch's exact
+    quantities (for measurements beyond the totals)."""
     Q = reader.curv.Q
+    end = reader.n_seqs if n_seqs is None else min(n_seqs, reader.n_seqs)
     totals = [DocumentTotals.empty(np.arange(reader.n_docs), q.n_targets if match else None) for q in queries]
     with tqdm(total=reader.n_tokens, desc="exact", unit="tok", unit_scale=True, disable=not progress) as bar:
-        for b in range(0, reader.n_seqs, batch_size):
-            seqs = np.arange(b, min(b + batch_size, reader.n_seqs))
+        for b in range(0, end, batch_size):
+            seqs = np.arange(b, min(b + batch_size, end))
             toks, tgts = zip(*(reader.sequence_tokens(int(s)) for s in seqs), strict=True)
             tb = run_batch(model, list(toks), list(tgts))
             ut = tb.u @ Q
@@ -72,20 +75,19 @@ def exhaustive(model: PRISM, reader: Reads, queries: list[Query], pre: Precondit
     return totals
 
 
-def measure_rate(model: PRISM, reader: Reads, pre: Preconditioner, *, n_seqs: int = 64,
-                 batch_size: int = 32) -> float:
-    """Tokens per second of the exact pass on this machine: the index's first ``n_seqs`` sequences run
-    as ``exhaustive`` runs them (forward, token vectors, ``I(t, t)``), the first batch's warm-up
-    included, so the rate errs low (an estimate from it errs long)."""
-    n = min(n_seqs, reader.n_seqs)
-    Q, n_tok = reader.curv.Q, 0
+def measure_rate(model: PRISM, reader: Reads, pre: Preconditioner, *, n_seqs: int = 64) -> float:
+    """Tokens per second of the exact pass on this machine: ``exhaustive`` over the index's first
+    ``n_seqs`` sequences, the first batch's warm-up included, so the rate errs low (an estimate from it
+    errs long)."""
+    n_tok = 0
+
+    def count(n: int) -> None:
+        nonlocal n_tok
+        n_tok += n
+
     t0 = time.perf_counter()
     with torch.no_grad():
-        for b in range(0, n, batch_size):
-            toks, tgts = zip(*(reader.sequence_tokens(s) for s in range(b, min(b + batch_size, n))), strict=True)
-            tb = run_batch(model, list(toks), list(tgts))
-            self_influence(tb.u @ Q, tb.proto_idx.numpy(), tb.acts.float().numpy(), pre.inv)
-            n_tok += len(tb.u)
+        exhaustive(model, reader, [], pre, on_batch=count, n_seqs=n_seqs)
     return n_tok / max(time.perf_counter() - t0, 1e-9)
 
 
