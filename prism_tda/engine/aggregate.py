@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from .arrays import unique
 from .types import Aggregation
 
 NEAR_TIE = 1e-3  # scores within 0.1% of each other are reported as tied
@@ -72,7 +73,7 @@ class DocumentTotals:
                   match: np.ndarray | None = None) -> DocumentTotals:
         """The totals of one list of scored tokens (``docs``: each token's document); a token is named by
         its position in the list."""
-        tot = cls.empty(np.unique(docs), None if match is None else match.shape[1])
+        tot = cls.empty(unique(docs), None if match is None else match.shape[1])
         pos = np.arange(len(docs), dtype=np.int64)
         tot.add(docs, pos, cos, raw, sign)
         if match is not None:

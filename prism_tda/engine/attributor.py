@@ -31,6 +31,7 @@ from prism_tda.errors import PrismError, QueryError, check_stop
 from prism_tda.model import checkpoint as ckpt
 
 from . import layout
+from .arrays import unique
 from .candidates import FirstStages, posting_plan
 from .exact import exhaustive, measure_rate
 from .layout import IndexManifest
@@ -43,9 +44,11 @@ from .scoring import (
     PreconditionerCache,
     TokenScores,
     approx_scores,
+    concat_scores,
     document_scores,
     exact_scores,
     rank_documents_with_ties,
+    still_open,
 )
 from .shards import CallContext, LocalShards, ShardSet
 from .steering import MEASURES, Discovered, PrototypeMass, rank_prototypes, signature_matrix, text_mass
@@ -138,7 +141,7 @@ class Attributor:
         plan = posting_plan(self.reader, q.G, pre, st) if token_stage else None
         found, posted = self.shards.first_stages(e, n_candidates, nprobe, q.G, pre, plan,
                                                  st.token_candidates if token_stage else 0, ctx)
-        return np.unique(np.concatenate([found, posted]))
+        return unique(np.concatenate([found, posted]))
 
     def check_exact(self) -> None:
         if self.exact_token_limit is not None and self.reader.n_tokens > self.exact_token_limit:
@@ -155,8 +158,9 @@ class Attributor:
         return ExactEstimate(n, n / self._exact_rate, self._exact_rate)
 
     def _fast(self, q: Query, opt: QueryOptions, pre: Preconditioner, ctx: CallContext | None = None,
-              seqs: np.ndarray | None = None) -> tuple[TokenScores, int, list, int]:
-        """``seqs``: the candidates when the caller has them already."""
+              seqs: np.ndarray | None = None) -> tuple[TokenScores, int, list, int, int]:
+        """(exact token scores, tokens scored approximately, ranked (best token, score), ties beyond the
+        last, documents re-ranked); ``seqs``: the candidates when the caller has them already."""
         t0 = time.perf_counter()
         if seqs is None:
             seqs = self.candidate_sequences(q, opt.n_candidates, pre, opt.nprobe, ctx)
@@ -170,25 +174,45 @@ class Attributor:
                                       n=max(opt.exact_rerank, opt.n_documents), m=m,
                                       match=None if match is None else match.targets,
                                       include_untrained=opt.include_untrained, ctx=ctx)
-        best_seqs = short.best_seq
-        tokens = None if m is None else np.sort(np.concatenate([np.zeros(0, np.int64), *short.tokens]))
-        if match is not None and len(best_seqs):
-            # a target token's best match can sit in any window of the document: every candidate
-            # sequence of the shortlisted documents is re-scored
-            best_seqs = np.unique(np.concatenate(short.match_seqs))
-        self.reader.prefetch(best_seqs, ctx)
+        # what re-ranking each shortlisted document takes: the rows of its best sequence to re-score
+        # (None: every row), or with cosine_match every candidate sequence of it (a target token's best
+        # match can sit in any window of the document)
+        units = [(short.match_seqs[i] if match is not None else short.best_seq[i : i + 1],
+                  None if m is None else short.tokens[i]) for i in range(len(short.doc))]
+        self.reader.prefetch(unique(np.concatenate([np.zeros(0, np.int64), *(u[0] for u in units)])), ctx)
         if ctx is not None and ctx.missing:  # a partial answer: what the missing shards hold is left out
             gone = np.array(sorted(ctx.missing), dtype=np.int64)
-            best_seqs = best_seqs[~np.isin(np.searchsorted(self.reader.seq_base, best_seqs, side="right") - 1, gone)]
-            if tokens is not None:
-                tokens = tokens[~np.isin(np.searchsorted(self.reader.tok_base, tokens, side="right") - 1, gone)]
-        exact = exact_scores(self.model, self.reader, q.G, pre, best_seqs, tokens=tokens, match=match)
+
+            def held(ids: np.ndarray, base: np.ndarray) -> np.ndarray:
+                return ids[~np.isin(np.searchsorted(base, ids, side="right") - 1, gone)]
+
+            units = [(held(sq, self.reader.seq_base), None if tk is None else held(tk, self.reader.tok_base))
+                     for sq, tk in units]
+
+        def rescore(at: np.ndarray) -> TokenScores:
+            seqs = np.concatenate([np.zeros(0, np.int64), *(units[i][0] for i in at)])
+            toks = None if m is None else np.concatenate([np.zeros(0, np.int64), *(units[i][1] for i in at)])
+            return exact_scores(self.model, self.reader, q.G, pre, seqs, tokens=toks, match=match)
+
+        # adaptive: the first n_documents, then only those whose approximate score could still reach the
+        # n-th exact one within the approximation's error as seen on the re-ranked ones
+        n_units = len(units)
+        done = np.arange(min(n_units, opt.n_documents) if opt.adaptive_rerank else n_units)
+        parts = [rescore(done)]
+        while len(done) < n_units:
+            rest = still_open(self.reader, concat_scores(parts, self.reader.k), short, done, opt.aggregation,
+                              -1.0 if opt.opponents else 1.0, opt.n_documents)
+            if not len(rest):
+                break
+            parts.append(rescore(rest))
+            done = np.concatenate([done, rest])
+        exact = concat_scores(parts, self.reader.k, None if match is None else match.n_targets)
         ranked, ties = rank_documents_with_ties(self.reader, exact, opt.aggregation, opponents=opt.opponents,
                                                 n=opt.n_documents)
-        return exact, short.n_scored, ranked, ties
+        return exact, short.n_scored, ranked, ties, len(done)
 
     def _exhaustive(self, q: Query, opt: QueryOptions, pre: Preconditioner, stop: threading.Event | None = None,
-                    progress: bool = False) -> tuple[TokenScores, int, list, int]:
+                    progress: bool = False) -> tuple[TokenScores, int, list, int, int]:
         self.check_exact()
         sign = -1.0 if opt.opponents else 1.0
         t0 = time.perf_counter()
@@ -204,7 +228,8 @@ class Attributor:
                              match=q if opt.aggregation == "cosine_match" else None)
         where = {int(t): i for i, t in enumerate(exact.tok)}
         return (exact, self.reader.n_tokens,
-                [(where[int(best_tok[d])], float(sc)) for d, sc in zip(top, per_doc, strict=True)], ties)
+                [(where[int(best_tok[d])], float(sc)) for d, sc in zip(top, per_doc, strict=True)], ties,
+                self.reader.n_docs)
 
     def attribute(self, spec: QuerySpec, options: QueryOptions | None = None, *,
                   stop: threading.Event | None = None, progress: bool = False) -> Attribution:
@@ -221,9 +246,9 @@ class Attributor:
         t1 = time.perf_counter()
         ctx = CallContext(partial=opt.allow_partial)
         if opt.mode == "fast":
-            scores, n_scored, ranked, ties = self._fast(q, opt, pre, ctx)
+            scores, n_scored, ranked, ties, n_exact = self._fast(q, opt, pre, ctx)
         else:
-            scores, n_scored, ranked, ties = self._exhaustive(q, opt, pre, stop, progress)
+            scores, n_scored, ranked, ties, n_exact = self._exhaustive(q, opt, pre, stop, progress)
         t3 = time.perf_counter()
         docs = [scored_document(self.reader, self.tokenizer, scores, best, score, rank, opponents=opt.opponents)
                 for rank, (best, score) in enumerate(ranked, 1)]
@@ -231,7 +256,7 @@ class Attributor:
         cand = ctx.candidates_ms
         ms = Timings(1e3 * (t1 - t0), cand, 1e3 * (t3 - t1) - cand, 1e3 * (t4 - t3), 1e3 * (t4 - t0))
         return Attribution(opt.mode, opt.aggregation, pre.damping, q.info(), docs, q.per_token, ms, int(n_scored),
-                           sorted(ctx.missing), ties)
+                           sorted(ctx.missing), ties, n_exact)
 
     # ------------------------------------------------------------------------ steering
     def corpus_mass(self) -> PrototypeMass:
@@ -273,7 +298,7 @@ class Attributor:
             raise QueryError("contrast: give texts or documents, not both")
 
         def chosen(docs: np.ndarray, field: str) -> np.ndarray:
-            docs = np.unique(np.asarray(docs, np.int64))
+            docs = unique(np.asarray(docs, np.int64))
             bad = docs[(docs < 0) | (docs >= self.reader.n_docs)]
             if len(bad):
                 raise QueryError(f"{field}: document ids {bad[:10].tolist()} out of range [0, {self.reader.n_docs})")
@@ -340,7 +365,7 @@ class Attributor:
 
     def candidate_documents(self, q: Query, n_candidates: int = 256, pre: Preconditioner | None = None) -> np.ndarray:
         """The documents of the fast path's candidate sequences for an encoded query (ascending ids)."""
-        return np.unique(self.reader.doc_of_seqs(self.candidate_sequences(q, n_candidates, pre)))
+        return unique(self.reader.doc_of_seqs(self.candidate_sequences(q, n_candidates, pre)))
 
     def document_scores(self, q: Query, mode: Mode = "exact", n_candidates: int = 256,
                         damping: float | None = None, exact_rerank: int = 32,
@@ -359,7 +384,7 @@ class Attributor:
         seqs = self.candidate_sequences(q, n_candidates, pre)
         out = document_scores(self.reader, approx_scores(local, q.G, pre, local.rows_of_sequences(seqs),
                                                          match=q.targets if match else None))
-        exact, _, _, _ = self._fast(q, opt, pre, seqs=seqs)
+        exact = self._fast(q, opt, pre, seqs=seqs)[0]
         ex = document_scores(self.reader, exact)
         hit = np.zeros(self.reader.n_docs, dtype=bool)
         hit[self.reader.doc_of_seqs(self.reader.seq_of_tokens(exact.tok))] = True

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from .arrays import unique
 from .reader import IndexReader, ranges
 from .reads import Reads
 from .scoring import Preconditioner, approx_scores
@@ -87,7 +88,7 @@ def read_postings(reader: IndexReader, plan: PostingPlan | None) -> np.ndarray:
             start = sh.post_offsets[g[live]].astype(np.int64)
             idx = ranges(start, start + take[live])
             parts.append(reader.tok_base[s] + sh.post_tokens[idx].astype(np.int64))
-    return np.unique(np.concatenate(parts)) if parts else np.zeros(0, np.int64)
+    return unique(np.concatenate(parts)) if parts else np.zeros(0, np.int64)
 
 
 def best_posting_tokens(reader: IndexReader, G: torch.Tensor, pre: Preconditioner, plan: PostingPlan | None,

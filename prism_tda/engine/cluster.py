@@ -33,6 +33,7 @@ import torch
 
 from prism_tda.errors import PrismError, ShardUnavailable, check_stop
 
+from .arrays import unique
 from .candidates import PostingPlan
 from .query import Targets
 from .reads import IndexWide, read_complete_manifest
@@ -176,7 +177,7 @@ class RayShards:
         """``ids`` by holder (each part in the order given)."""
         ids = np.asarray(ids, np.int64)
         h = self.holders_of(ids, base)
-        return {int(g): ids[h == g] for g in np.unique(h)}
+        return {int(g): ids[h == g] for g in unique(h)}
 
     # ------------------------------------------------------------------------ calls
     def call(self, calls: dict[int, tuple[str, tuple, dict]], ctx: CallContext | None = None) -> dict[int, Any]:
@@ -233,7 +234,7 @@ class RayShards:
                   ctx: CallContext | None = None) -> Shortlist:
         kw = dict(opponents=opponents, n=n, m=m, match=match, include_untrained=include_untrained)
         parts = self.call({g: ("shortlist", (G, pre.damping, s, aggregation), kw)
-                           for g, s in self.split(np.unique(seqs), self.seq_base).items()}, ctx)
+                           for g, s in self.split(unique(seqs), self.seq_base).items()}, ctx)
         return merge_shortlists(list(parts.values()), n, -1.0 if opponents else 1.0)
 
     def prototype_mass(self, docs: np.ndarray, measure: str = "activation",
@@ -242,7 +243,7 @@ class RayShards:
         running actor call is not interrupted)."""
         check_stop(stop, "prototype discovery")
         parts = self.call({g: ("prototype_mass", (d, measure, signature), {})
-                           for g, d in self.split(np.unique(docs), self.doc_base).items()})
+                           for g, d in self.split(unique(docs), self.doc_base).items()})
         if not parts:
             raise PrismError(f"{self.dir}: no documents given")
         return functools.reduce(operator.add, parts.values())  # holders' documents are disjoint: counts add up
@@ -313,7 +314,7 @@ class RemoteReader(IndexWide):
         return np.array([lookup[int(i)] for i in ids])
 
     def prefetch(self, seqs: np.ndarray, ctx: CallContext | None = None) -> None:
-        seqs = np.unique(np.asarray(seqs, np.int64))
+        seqs = unique(np.asarray(seqs, np.int64))
         missing = np.array([s for s in seqs if int(s) not in self._seqs], dtype=np.int64)
         if len(missing):
             self._fetch(missing, ctx)

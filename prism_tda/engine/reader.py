@@ -23,7 +23,9 @@ import torch
 from prism_tda.errors import PrismError
 
 from . import layout
+from .arrays import unique
 from .curvature import self_influence
+from .kernels import code_terms
 from .layout import DOC_ROW_GROUP, ShardInfo
 from .reads import IndexWide
 
@@ -169,8 +171,11 @@ class IndexReader(IndexWide):
     def _split(self, rows: np.ndarray, base: np.ndarray) -> list[tuple[int, np.ndarray, np.ndarray]]:
         """(shard, positions in ``rows``, local ids) for the global ids ``rows`` per shard."""
         sh = np.searchsorted(base, rows, side="right") - 1
+        if len(sh) and sh[0] == sh[-1] and (len(sh) < 3 or sh.min() == sh.max()):  # one shard (the usual case)
+            s = int(sh[0])
+            return [(s, np.arange(len(rows)), rows - base[s])]
         out = []
-        for s in np.unique(sh):
+        for s in unique(sh):
             at = np.nonzero(sh == s)[0]
             out.append((int(s), at, rows[at] - base[s]))
         return out
@@ -189,6 +194,40 @@ class IndexReader(IndexWide):
             self_inf[at] = sh.self[local].astype(np.float64) * sh.info.self_scale
             targets[at] = sh.targets(local)
         return TokenData(protos, acts, self_inf, targets)
+
+    def scored_token_data(self, tok: np.ndarray, col: np.ndarray, m_tab: np.ndarray, y_tab: np.ndarray,
+                          d_tab: np.ndarray | None, inv: np.ndarray) -> tuple[TokenData, np.ndarray]:
+        """:meth:`token_data` of the tokens ``tok`` and each slot's term of their approximate score (n, k),
+        in one compiled pass over the shards' arrays (``engine/kernels.py``): ``col`` (K,) each
+        prototype's row of the query's lookup tables (or -1): ``m_tab`` and ``d_tab``
+        (P, n_sub * 2^bits), ``y_tab`` (P, V); ``inv`` (K, d) the curvature at the index's damping."""
+        n, k = len(tok), self.k
+        codec = self.codec
+        n_cent = 1 << codec.bits
+        none2 = np.zeros((0, 0), np.float32)
+        dir_cent = none2 if codec._flat_dir_centroids is None else codec._flat_dir_centroids.numpy()
+        d_tab = none2 if d_tab is None else d_tab
+        parts = []
+        for s, at, local in self._split(tok, self.tok_base):
+            sh = self.shard(s)
+            tg = sh.targets(local)
+            t_self = sh.self[local].astype(np.float64) * sh.info.self_scale
+            code_dir = np.zeros(0, np.uint8) if sh.code_dir is None else np.asarray(sh.code_dir)
+            m = len(local)
+            p_, a_, v_ = np.empty((m, k), np.int64), np.empty((m, k), np.float32), np.empty((m, k), np.float32)
+            code_terms(np.ascontiguousarray(local, np.int64), np.asarray(sh.protos), np.asarray(sh.acts),
+                       self.act_table, np.asarray(sh.codes), code_dir, t_self, tg, codec.bits, codec.n_sub, n_cent,
+                       col, m_tab, y_tab, d_tab, dir_cent, inv, p_, a_, v_)
+            parts.append((at, p_, a_, t_self, tg, v_))
+        if len(parts) == 1:  # one shard: its arrays are the answer
+            _, protos, acts, self_inf, targets, terms = parts[0]
+        else:
+            protos, acts = np.zeros((n, k), np.int64), np.zeros((n, k), np.float32)
+            terms, self_inf, targets = np.zeros((n, k), np.float32), np.zeros(n), np.zeros(n, np.int64)
+            for at, *arrays in parts:
+                for out, a in zip((protos, acts, self_inf, targets, terms), arrays, strict=True):
+                    out[at] = a
+        return TokenData(protos, acts, self_inf, targets), terms
 
     def token_codes(self, tok: np.ndarray) -> np.ndarray:
         """The packed codes (n, code_bytes) of the tokens ``tok``."""
@@ -271,7 +310,7 @@ class IndexReader(IndexWide):
     def rows_of_documents(self, docs: np.ndarray) -> np.ndarray:
         """Global token rows of the given documents (ascending)."""
         parts = []
-        for s, _, local in self._split(np.unique(np.asarray(docs, np.int64)), self.doc_base):
+        for s, _, local in self._split(unique(np.asarray(docs, np.int64)), self.doc_base):
             sh = self.shard(s)
             seqs = ranges(np.searchsorted(sh.seq_doc, local, side="left"), np.searchsorted(sh.seq_doc, local, side="right"))
             parts.append(self.tok_base[s] + ranges(sh.seq_tok0[seqs], sh.seq_tok0[seqs + 1]))
@@ -280,7 +319,7 @@ class IndexReader(IndexWide):
     def tokens_of_documents(self, docs: np.ndarray) -> int:
         """How many tokens the given documents hold (without listing their rows)."""
         total = 0
-        for s, _, local in self._split(np.unique(np.asarray(docs, np.int64)), self.doc_base):
+        for s, _, local in self._split(unique(np.asarray(docs, np.int64)), self.doc_base):
             sh = self.shard(s)
             lo, hi = np.searchsorted(sh.seq_doc, local, side="left"), np.searchsorted(sh.seq_doc, local, side="right")
             total += int((sh.seq_tok0[hi] - sh.seq_tok0[lo]).sum())

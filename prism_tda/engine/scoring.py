@@ -16,9 +16,11 @@ A document's score aggregates its scored tokens' scores (``engine/aggregate.py``
 
 from __future__ import annotations
 
+import functools
 import threading
 from collections import OrderedDict
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -27,11 +29,15 @@ from prism_tda.errors import QueryError
 from prism_tda.model import PRISM
 
 from .aggregate import DocumentTotals
+from .arrays import unique
 from .curvature import self_influence
 from .query import Query, Targets
 from .reader import IndexReader, TokenData
 from .reads import Reads
-from .tokens import run_batch
+from .tokens import length_batches, run_batch
+
+if TYPE_CHECKING:
+    from .shards import Shortlist
 from .types import Aggregation
 
 
@@ -42,6 +48,11 @@ class Preconditioner:
     damping: float  # x the index's damping unit (engine/curvature.py)
     inv: torch.Tensor
     is_index_default: bool  # the stored I(t, t) are at this damping
+
+    @functools.cached_property
+    def inv32(self) -> np.ndarray:
+        """``inv`` as a contiguous float32 array (what the compiled scoring reads)."""
+        return np.ascontiguousarray(self.inv.numpy(), dtype=np.float32)
 
     def self_influence(self, G: torch.Tensor) -> float:
         """I(q, q) of a query gradient G (K, d)."""
@@ -182,10 +193,11 @@ def approx_scores(reader: IndexReader, G: torch.Tensor, pre: Preconditioner, tok
     one per sub-quantiser (asymmetric scoring), and its product with ``W[y_t]`` one lookup; only
     the tokens that share a prototype with the query are touched. A token stored by its direction
     (``engine/codec.py``) looks up the direction codebook's table and is scaled by its length, which
-    needs its direction decoded. Other dampings need ``I(t, t)`` recomputed, so they decode. With
+    needs its direction decoded: all of it in one compiled pass over the rows (``engine/kernels.py``).
+    Other dampings need ``I(t, t)`` recomputed, so they decode. With
     ``match``, each token's cosine with each target token too (:func:`approx_match`)."""
-    data = reader.token_data(tok)
     if not pre.is_index_default:
+        data = reader.token_data(tok)
         U = reader.token_vectors(tok, data)
         t_self = self_influence(U, data.protos, data.acts, pre.inv)
         out = score_tokens(tok, data.protos, data.acts, U, t_self, G, pre, exact=False)
@@ -193,36 +205,10 @@ def approx_scores(reader: IndexReader, G: torch.Tensor, pre: Preconditioner, tok
             out.match = approx_match(reader, out, data, match, pre, t_self, U)
         return out
     col, Wq = _query_columns(G, pre)
-    c = col[data.protos]  # (n, k)
-    hit = (c >= 0) & (data.acts > 0)
-    rows = np.nonzero(hit.any(1))[0]  # tokens sharing a prototype with the query
-    slot_val = np.zeros(data.protos.shape, dtype=np.float32)
-    if len(rows):
-        codec = reader.codec
-        dirs = reader.token_code_dirs(tok[rows]) if codec.has_directions else np.zeros(len(rows), dtype=bool)
-        # (P, n_sub * 2^bits), (P, V), and the direction codebook's table when a token needs it
-        m_tab, y_tab, d_tab = codec.lookup_tables(Wq, directions=bool(dirs.any()))
-        packed = reader.token_codes(tok[rows])
-        codes = codec.flat_codes(packed)  # (n_rows, n_sub) rows of m_tab (and of d_tab)
-        r, j = np.nonzero(hit[rows])
-        t_r = rows[r]  # the hit's token
-        p = torch.from_numpy(c[t_r, j])
-        # flat gathers: the hit's row of each table, then its code's (or target's) column
-        idx = p[:, None] * m_tab.shape[1] + torch.from_numpy(codes[r])
-        val = torch.empty(len(r))
-        h = torch.from_numpy(np.nonzero(~dirs[r])[0])  # hits of tokens stored by m_t's codes
-        m_part = torch.take(m_tab, idx[h]).sum(1)  # Wq_p . m_t
-        y_part = torch.take(y_tab, p[h] * y_tab.shape[1] + torch.from_numpy(data.targets[t_r[h.numpy()]]))  # Wq_p . Q^T W[y_t]
-        val[h] = m_part - y_part
-        if dirs.any():  # direction codes: Wq_p . (unit direction) x the token's length
-            assert d_tab is not None
-            at = np.nonzero(dirs)[0]
-            length = np.zeros(len(rows), dtype=np.float32)
-            length[at] = reader.direction_lengths(packed[at], data.protos[rows[at]], data.acts[rows[at]],
-                                                  data.targets[rows[at]], data.self_influence[rows[at]], pre.inv)
-            h = torch.from_numpy(np.nonzero(dirs[r])[0])
-            val[h] = torch.take(d_tab, idx[h]).sum(1) * torch.from_numpy(length[r[h.numpy()]])
-        slot_val[t_r, j] = data.acts[t_r, j] * val.numpy()
+    # (P, n_sub * 2^bits), (P, V), and the direction codebook's table
+    m_tab, y_tab, d_tab = reader.codec.lookup_tables(Wq, directions=reader.codec.has_directions)
+    data, slot_val = reader.scored_token_data(tok, col, m_tab.numpy(), y_tab.numpy(),
+                                              None if d_tab is None else d_tab.numpy(), pre.inv32)
     raw = slot_val.sum(1).astype(np.float64)
     cos = raw / np.sqrt(max(pre.self_influence(G), 1e-30) * np.maximum(data.self_influence, 1e-30))
     out = TokenScores(tok, raw, cos, data.protos, slot_val, False)
@@ -235,38 +221,53 @@ def exact_scores(model: PRISM, reader: Reads, G: torch.Tensor, pre: Precondition
                  tokens: np.ndarray | None = None, batch_size: int = 32, match: Query | None = None) -> TokenScores:
     """Scores of every token of the sequences ``seqs`` (or only of the global rows ``tokens``, which
     then name the sequences), recomputed by the model in full precision; with ``match``, also each
-    token's cosine with each of that query's target tokens."""
+    token's cosine with each of that query's target tokens. Each sequence runs up to its last needed
+    token, in batches of similar lengths (``tokens.length_batches``: at most ``batch_size`` full-length
+    sequences' worth of padded tokens each)."""
     Q = reader.curv.Q
     if tokens is not None:
-        tokens = np.unique(tokens)
+        tokens = unique(tokens)
         tok_seq = reader.seq_of_tokens(tokens)
-        seqs = np.unique(tok_seq)
-    seqs = np.unique(seqs)
+        seqs = unique(tok_seq)
+    seqs = unique(seqs)
+    spans = [reader.seq_span(int(s)) for s in seqs]
+    first = np.array([sp[0] for sp in spans], dtype=np.int64)
+    positions = None
+    if tokens is not None:
+        positions = [tokens[tok_seq == s] - f for s, f in zip(seqs, first, strict=True)]
+        ends = np.array([int(p.max()) + 1 for p in positions], dtype=np.int64)
+    else:
+        ends = np.array([sp[1] - sp[0] for sp in spans], dtype=np.int64)
     parts = []
-    for b in range(0, len(seqs), batch_size):
-        chunk = np.sort(seqs[b : b + batch_size])
-        first = np.array([reader.seq_span(int(s))[0] for s in chunk], dtype=np.int64)
-        toks, tgts = zip(*(reader.sequence_tokens(int(s)) for s in chunk), strict=True)
-        positions = None
-        if tokens is not None:
-            positions = [tokens[tok_seq == s] - f for s, f in zip(chunk, first, strict=True)]
-        tb = run_batch(model, list(toks), list(tgts), positions=positions)
+    for at in length_batches(ends, batch_size * model.cfg.block_size):
+        at = np.sort(at)
+        toks, tgts = zip(*(reader.sequence_tokens(int(s)) for s in seqs[at]), strict=True)
+        tb = run_batch(model, list(toks), list(tgts), positions=None if positions is None else [positions[i] for i in at])
         ut = tb.u @ Q  # (n, d), rows ordered by sequence then position
         protos, acts = tb.proto_idx.numpy(), tb.acts.float().numpy()
-        rows = first[tb.row.numpy()] + tb.pos.numpy()
+        rows = first[at][tb.row.numpy()] + tb.pos.numpy()
         t_self = self_influence(ut, protos, acts, pre.inv)
         part = score_tokens(rows, protos, acts, ut, t_self, G, pre, exact=True)
         if match is not None:
             part.match = match_cosines(protos, acts, ut, t_self, match, pre)
         parts.append(part)
+    return concat_scores(parts, reader.k, None if match is None else match.n_targets)
+
+
+def concat_scores(parts: list[TokenScores], k: int, n_targets: int | None = None) -> TokenScores:
+    """Token scores of disjoint parts as one, rows ascending (``k``, ``n_targets``: the shapes of an
+    empty answer)."""
     if not parts:
-        k = reader.k
         return TokenScores(np.zeros(0, np.int64), np.zeros(0), np.zeros(0), np.zeros((0, k), np.int64),
                            np.zeros((0, k), np.float32), True,
-                           None if match is None else np.zeros((0, match.n_targets)))
-    cat = {f: np.concatenate([getattr(p, f) for p in parts]) for f in ("tok", "raw", "cos", "protos", "slot_val")}
-    m = None if match is None else np.concatenate([p.match for p in parts if p.match is not None])
-    return TokenScores(cat["tok"], cat["raw"], cat["cos"], cat["protos"], cat["slot_val"], True, m)
+                           None if n_targets is None else np.zeros((0, n_targets)))
+    tok = np.concatenate([p.tok for p in parts])
+    order = np.argsort(tok, kind="stable")
+    cat = {f: np.concatenate([getattr(p, f) for p in parts])[order] for f in ("raw", "cos", "protos", "slot_val")}
+    m = None
+    if parts[0].match is not None:
+        m = np.concatenate([p.match for p in parts if p.match is not None])[order]
+    return TokenScores(tok[order], cat["raw"], cat["cos"], cat["protos"], cat["slot_val"], parts[0].exact, m)
 
 
 def token_docs(reader: Reads, scores: TokenScores) -> np.ndarray:
@@ -315,6 +316,28 @@ def rank_documents(reader: Reads, scores: TokenScores, aggregation: Aggregation,
     """The ``n`` best documents as (index into ``scores.tok`` of the document's best token, document
     score), best first; with ``opponents``, the most negative."""
     return rank_documents_with_ties(reader, scores, aggregation, opponents=opponents, n=n)[0]
+
+
+RERANK_MARGIN = 2.0  # x the largest approximation error seen among the re-ranked documents
+
+
+def still_open(reader: Reads, exact: TokenScores, short: Shortlist, done: np.ndarray, aggregation: Aggregation,
+               sign: float, n: int) -> np.ndarray:
+    """Positions in ``short`` (the shortlist, best first by approximate score) not in ``done`` whose
+    approximate score comes within ``RERANK_MARGIN`` x the largest |exact - approximate| document score
+    seen among ``done`` (re-scored into ``exact``) of the ``n``-th best exact score: the documents that
+    could still enter the top ``n``. Every remaining one while fewer than ``n`` are scored exactly."""
+    rest = np.setdiff1d(np.arange(len(short.doc)), done)
+    tot = document_totals(reader, exact, sign)
+    has = tot.best_token(aggregation) >= 0
+    exact_of = dict(zip(tot.docs[has].tolist(), (sign * tot.scores(sign)[aggregation][has]).tolist(), strict=True))
+    ex = np.array([exact_of.get(int(d), np.nan) for d in short.doc[done]])
+    ok = ~np.isnan(ex)
+    if ok.sum() < n:
+        return rest
+    nth = np.sort(ex[ok])[::-1][n - 1]
+    margin = RERANK_MARGIN * float(np.abs(ex[ok] - sign * short.score[done][ok]).max())
+    return rest[sign * short.score[rest] >= nth - margin]
 
 
 def trained_only(reader: Reads, seqs: np.ndarray) -> np.ndarray:

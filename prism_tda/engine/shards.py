@@ -28,6 +28,7 @@ import torch
 
 from prism_tda.errors import check_stop
 
+from .arrays import unique
 from .candidates import PostingPlan, best_posting_tokens
 from .query import Targets
 from .reader import IndexReader
@@ -130,6 +131,19 @@ class ShardWorker:
     def __init__(self, reader: IndexReader) -> None:
         self.reader = reader
         self.last: CallStats | None = None
+        self.warm()
+
+    def warm(self) -> None:
+        """Compile the scoring kernel (``engine/kernels.py``) now, on one stored token, rather than in
+        the first query (once per process; numba keeps the machine code on disk after the first time)."""
+        r = self.reader
+        held = [s for s, sh in r.held_shards() if sh.info.n_tokens]
+        if not held:
+            return
+        G = torch.zeros(r.curv.lam.shape[0], r.curv.u_dim)
+        G[0, 0] = 1.0
+        approx_scores(r, G, Preconditioner(r.cfg.damping, r.inv(r.cfg.damping), True),
+                      np.array([r.tok_base[held[0]]], np.int64))
 
     @classmethod
     def open(cls, index_dir: str | Path, W: torch.Tensor, shards: list[int] | None = None) -> ShardWorker:
@@ -169,7 +183,7 @@ class ShardWorker:
         ``match`` (the query's target tokens, for ``cosine_match``), every candidate sequence of it."""
         t0, started = time.perf_counter(), time.time()
         reader = self.reader
-        seqs = np.unique(np.asarray(seqs, np.int64))
+        seqs = unique(np.asarray(seqs, np.int64))
         if not include_untrained:
             seqs = trained_only(reader, seqs)
         approx = approx_scores(reader, G, pre, reader.rows_of_sequences(seqs), match=match)
@@ -202,7 +216,7 @@ class ShardWorker:
         spans = [r.seq_span(int(s)) for s in seqs]
         toks = [r.sequence_tokens(int(s)) for s in seqs]
         docs = r.doc_of_seqs(seqs)
-        uniq = np.unique(docs)
+        uniq = unique(docs)
         out = Sequences(seqs, np.array([a for a, _, _ in spans], np.int64), np.array([b for _, b, _ in spans], np.int64),
                         np.array([c for _, _, c in spans], np.int64), docs,
                         [np.asarray(t, np.int32) for t, _ in toks], [np.asarray(y, np.int32) for _, y in toks],
@@ -239,7 +253,7 @@ class ShardWorker:
             weights = token_weights(data.protos, data.acts, data.targets, measure, signature)
             out = out + mass_of_tokens(data.protos, weights, r.doc_of_seqs(r.seq_of_tokens(part)), r.n_prototypes,
                                        part)
-        out.n_docs = len(np.unique(docs))
+        out.n_docs = len(unique(docs))
         self._done("prototype_mass", t0, started, len(rows))
         return out
 

@@ -30,6 +30,7 @@ from tokenizers import Tokenizer
 from prism_tda.errors import QueryError
 from prism_tda.model import PRISM
 
+from .arrays import unique
 from .reads import Reads, token_context
 from .tokens import run_batch
 
@@ -103,7 +104,7 @@ def mass_of_tokens(protos: np.ndarray, acts: np.ndarray, doc: np.ndarray, K: int
             sel = order[s : min(e, s + TOP)]
             top[int(ps[s])] = [(float(a[i]), where[int(rows[i])]) for i in sel]
     return PrototypeMass(mass, support.astype(np.int64), docs.astype(np.int64), int(len(protos)),
-                         int(len(np.unique(doc))) if len(doc) else 0, top)
+                         int(len(unique(doc))) if len(doc) else 0, top)
 
 
 @torch.no_grad()

@@ -65,6 +65,10 @@ class QueryOptions:
     token of the document, averaged (a multi-token target matched as a whole)."""
     exact_rerank: Annotated[int, Field(ge=1, le=1024)] = 32
     """Fast path: documents re-scored exactly by the model before ranking (at least n_documents are)."""
+    adaptive_rerank: bool = True
+    """Fast path: re-rank the first n_documents of the shortlist, then only the shortlisted documents whose
+    approximate score could still reach the n-th exact score (within twice the largest approximation
+    error seen on the re-ranked ones); false: re-rank all exact_rerank."""
     exact_tokens: Annotated[int | None, Field(ge=1, le=4096)] = 16
     """Fast path, best-token aggregations: tokens of each re-ranked sequence re-scored exactly, the best
     by their approximate scores first; null: every token (sum aggregations always take every token)."""
@@ -231,7 +235,10 @@ class Attribution:
     """Documents not returned whose score is within 0.1% of the last returned document's: the cut
     falls inside a near-tie when above 0 (the order among tied documents is decided by the
     tie-break, not by the score). Counted among the documents scored exactly: every document in exact
-    mode, the re-ranked ones (``exact_rerank``) in fast mode, so there it is a lower bound."""
+    mode, the re-ranked ones (``documents_reranked``) in fast mode, so there it is a lower bound."""
+    documents_reranked: int = 0
+    """Documents scored exactly: fast, the shortlisted documents the model re-scored (at least
+    n_documents, at most exact_rerank; fewer with adaptive_rerank); exact, every document."""
 
     @property
     def partial(self) -> bool:

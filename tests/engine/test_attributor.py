@@ -87,7 +87,9 @@ def test_approximate_scores_track_the_exact_ones(att):
     seqs = np.arange(0, att.reader.n_seqs, 5)
     ex = exact_scores(att.model, att.reader, q.G, pre, seqs)
     ap = approx_scores(att.reader, q.G, pre, ex.tok)
-    assert np.array_equal(ap.tok, ex.tok) and np.array_equal(ap.protos, ex.protos)
+    # the same active prototypes (two of nearly equal similarity can swap slots: a forward pass in
+    # another batch rounds differently)
+    assert np.array_equal(ap.tok, ex.tok) and np.array_equal(np.sort(ap.protos, 1), np.sort(ex.protos, 1))
     assert np.corrcoef(ap.cos, ex.cos)[0, 1] > 0.9
     # the lookup-table scores are the scores of the decoded token vectors
     data = att.reader.token_data(ex.tok)

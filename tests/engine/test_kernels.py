@@ -1,0 +1,99 @@
+"""The compiled scoring of stored codes and the re-rank's batching: against the numpy and decoded
+computations they replace."""
+
+from __future__ import annotations
+
+import itertools
+
+import numpy as np
+import pytest
+
+from prism_tda.engine import Attributor, QueryOptions, QuerySpec
+from prism_tda.engine.codec import pack, unpack
+from prism_tda.engine.kernels import _unpack_row
+from prism_tda.engine.scoring import approx_scores, score_tokens
+from prism_tda.engine.tokens import length_batches
+from prism_tda.indexer.run import build_index
+from tests.conftest import index_cfg
+
+
+@pytest.mark.parametrize("bits", [8, 12, 16])
+def test_unpacking_a_row_matches_the_codec(bits):
+    rng = np.random.default_rng(bits)
+    codes = rng.integers(0, 1 << bits, size=(50, 16))
+    packed = pack(codes, bits)
+    out = np.empty(16, np.int64)
+    for r in range(len(codes)):
+        _unpack_row(packed, r, bits, 16, out)
+        assert np.array_equal(out, codes[r])
+    assert np.array_equal(unpack(packed, bits, 16), codes)
+
+
+def test_length_batches_are_the_cheapest_partition():
+    rng = np.random.default_rng(0)
+    for _ in range(20):
+        lengths = rng.integers(1, 129, size=int(rng.integers(1, 8)))
+        per_call, cap = 100, 400
+        groups = length_batches(lengths, cap, per_call)
+        assert np.array_equal(np.sort(np.concatenate(groups)), np.arange(len(lengths)))
+
+        def cost(gs, lengths=lengths, per_call=per_call) -> float:
+            return sum(len(g) * lengths[g].max() + per_call for g in gs)
+
+        for g in groups:
+            assert len(g) == 1 or len(g) * lengths[g].max() <= cap
+        # every partition into runs of the sorted lengths, within the cap: none is cheaper
+        order = np.argsort(lengths, kind="stable")
+        n = len(lengths)
+        best = np.inf
+        for cuts in itertools.product([False, True], repeat=n - 1):
+            bounds = [0, *[i + 1 for i, c in enumerate(cuts) if c], n]
+            gs = [order[a:b] for a, b in itertools.pairwise(bounds)]
+            if all(len(g) == 1 or len(g) * lengths[g].max() <= cap for g in gs):
+                best = min(best, cost(gs))
+        assert cost(groups) == pytest.approx(best)
+
+
+@pytest.fixture(scope="module")
+def att12(tiny_ckpt, tiny_corpus, tmp_path_factory) -> Attributor:
+    """An index with 12-bit codes (two per three bytes) and direction codes, in several shards."""
+    out = tmp_path_factory.mktemp("index12") / "ix"
+    build_index(tiny_ckpt, [tiny_corpus], out, index_cfg(code_bits=12, code_subquantizers=8), progress=False)
+    return Attributor.open(out)
+
+
+def test_compiled_scores_are_the_decoded_vectors_scores(att12):
+    r = att12.reader
+    assert len(r.shards) > 1 and r.codec.bits == 12
+    pre = att12.preconditioner()
+    tok = np.arange(0, r.n_tokens, 3)
+    dirs = r.token_code_dirs(tok)
+    assert dirs.any() and not dirs.all()  # both kinds of codes are scored
+    for spec in [QuerySpec("A computer", " is a"), QuerySpec("Love is", " a")]:
+        q = att12.encode(spec)
+        ap = approx_scores(r, q.G, pre, tok)
+        data = r.token_data(tok)
+        dec = score_tokens(tok, data.protos, data.acts, r.token_vectors(tok, data), data.self_influence, q.G, pre,
+                           exact=False)
+        assert np.array_equal(ap.protos, data.protos)
+        np.testing.assert_allclose(ap.slot_val, dec.slot_val, rtol=1e-3, atol=1e-5 * np.abs(dec.slot_val).max())
+        np.testing.assert_allclose(ap.cos, dec.cos, rtol=1e-3, atol=1e-5)
+        assert (ap.slot_val != 0).any(1).sum() > 10
+
+
+def test_adaptive_rerank_recomputes_fewer_documents_for_the_same_top(att12):
+    agree, fewer = [], []
+    for spec in [QuerySpec("A computer", " is a"), QuerySpec("Love is", " a"), QuerySpec("The only way", " to"),
+                 QuerySpec("Never", " give")]:
+        full = att12.attribute(spec, QueryOptions(n_documents=5, exact_rerank=24, adaptive_rerank=False))
+        ada = att12.attribute(spec, QueryOptions(n_documents=5, exact_rerank=24))
+        assert full.documents_reranked == 24
+        assert 5 <= ada.documents_reranked <= 24
+        fewer.append(ada.documents_reranked < full.documents_reranked)
+        # a document both return has its one exact score
+        both = {d.doc_id: d.score for d in full.documents}
+        for d in ada.documents:
+            if d.doc_id in both:
+                assert d.score == pytest.approx(both[d.doc_id], rel=1e-5)
+        agree.append(len(both.keys() & {d.doc_id for d in ada.documents}))
+    assert sum(agree) >= 0.9 * 5 * len(agree) and any(fewer)
