@@ -224,9 +224,8 @@ class IndexReader(IndexWide):
         else:
             protos, acts = np.zeros((n, k), np.int64), np.zeros((n, k), np.float32)
             terms, self_inf, targets = np.zeros((n, k), np.float32), np.zeros(n), np.zeros(n, np.int64)
-            for at, *arrays in parts:
-                for out, a in zip((protos, acts, self_inf, targets, terms), arrays, strict=True):
-                    out[at] = a
+            for at, p_, a_, t_self, tg, v_ in parts:
+                protos[at], acts[at], self_inf[at], targets[at], terms[at] = p_, a_, t_self, tg, v_
         return TokenData(protos, acts, self_inf, targets), terms
 
     def token_codes(self, tok: np.ndarray) -> np.ndarray:
