@@ -112,21 +112,21 @@ class TokenCodec:
 
     def lookup_tables(self, Wq: torch.Tensor, directions: bool = True
                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-        """For query columns ``Wq`` (P, d): (P, n_sub * 2^bits) each column's product with every
-        centroid of its sub-vector (so ``Wq_p . m_t`` is the sum of ``n_sub`` entries, one per code),
-        (P, V) each column's product with every target row ``Q^T W[y]``, and (P, n_sub * 2^bits) the
-        same as the first for the direction codebook (None without one, or unless ``directions``)."""
+        """For query columns ``Wq`` (P, d): (n_sub, P, 2^bits) each column's product with every centroid
+        of each sub-vector (so ``Wq_p . m_t`` is the sum over s of ``[s, p, code_s]``), (P, V) each
+        column's product with every target row ``Q^T W[y]``, and (n_sub, P, 2^bits) the same as the
+        first for the direction codebook (None without one, or unless ``directions``). Contiguous, as
+        the batched products leave them."""
         n_sub, k, ds = self.centroids.shape
-        Wv = Wq.float().view(len(Wq), n_sub, ds)
-        m_tab = torch.einsum("psd,skd->psk", Wv, self._flat_centroids.view(n_sub, k, ds)).reshape(len(Wq), n_sub * k)
+        Wv = Wq.float().view(len(Wq), n_sub, ds).transpose(0, 1)  # (n_sub, P, d_sub)
+        m_tab = torch.bmm(Wv, self._flat_centroids.view(n_sub, k, ds).transpose(1, 2))
         d_tab = None
         if directions and self._flat_dir_centroids is not None:
-            d_tab = torch.einsum("psd,skd->psk", Wv, self._flat_dir_centroids.view(n_sub, k, ds)).reshape(
-                len(Wq), n_sub * k)
+            d_tab = torch.bmm(Wv, self._flat_dir_centroids.view(n_sub, k, ds).transpose(1, 2))
         return m_tab, Wq.float() @ self._WQ.T, d_tab
 
     def flat_codes(self, packed: np.ndarray) -> np.ndarray:
-        """Packed codes (N, code_bytes) -> (N, n_sub) columns of :meth:`lookup_tables`' first table."""
+        """Packed codes (N, code_bytes) -> (N, n_sub) rows of the flattened codebooks (code + s * 2^bits)."""
         k = self.centroids.shape[1]
         return (unpack_torch(packed, self.bits, self.n_sub) + torch.arange(self.n_sub) * k).numpy()
 

@@ -4,13 +4,38 @@ A query column's product with a stored token vector is a sum of table lookups (a
 ``engine/scoring.py``: ``approx_scores``). Done with numpy gathers it builds several temporary
 arrays per hit; here one pass over the rows reads each token's prototypes, activation codes, packed
 codes and direction bit straight from the shard's memory maps and writes the (n, k) terms of its
-score. Equal to the gathers up to float32 rounding (tests/engine/test_kernels.py).
+score. Equal to the gathers up to float32 rounding (tests/engine/test_kernels.py). Large row sets
+are cut across threads (:func:`over_rows`: as many as torch's intra-op threads).
 """
 
 from __future__ import annotations
 
+import functools
+import os
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+
 import numpy as np
 from numba import njit
+
+MIN_ROWS_PER_THREAD = 4096
+
+
+@functools.cache
+def _pool() -> ThreadPoolExecutor:
+    return ThreadPoolExecutor(max_workers=os.cpu_count() or 1, thread_name_prefix="prism-kernels")
+
+
+def over_rows(n: int, fn: Callable[[slice], None], threads: int) -> None:
+    """``fn`` over ``n`` rows, cut into up to ``threads`` contiguous slices run at once (the kernels
+    release the GIL), at least ``MIN_ROWS_PER_THREAD`` rows each."""
+    parts = max(1, min(threads, n // MIN_ROWS_PER_THREAD))
+    if parts == 1:
+        fn(slice(0, n))
+        return
+    bounds = np.linspace(0, n, parts + 1).astype(int)
+    for f in [_pool().submit(fn, slice(a, b)) for a, b in zip(bounds[:-1], bounds[1:], strict=True)]:
+        f.result()
 
 
 @njit(cache=True, nogil=True)
@@ -41,10 +66,10 @@ def code_terms(local: np.ndarray, protos: np.ndarray, act_codes: np.ndarray, act
     (``out_terms``; 0 where the prototype is not one of the query's: ``col`` (K,) its column in the
     tables, or -1).
 
-    ``m_tab``, ``d_tab`` (P, n_sub * n_cent): each query column's product with every centroid of each
-    sub-quantiser. A token coded by ``m_t`` scores ``sum_s m_tab[c, code_s] - y_tab[c, y_t]``; one
+    ``m_tab``, ``d_tab`` (n_sub, P, n_cent): each query column's product with every centroid of each
+    sub-quantiser. A token coded by ``m_t`` scores ``sum_s m_tab[s, c, code_s] - y_tab[c, y_t]``; one
     coded by its direction (bit set in ``code_dir``, packed big-endian per byte; empty: none) scores
-    ``length * sum_s d_tab[c, code_s]``, the length
+    ``length * sum_s d_tab[s, c, code_s]``, the length
     being the one that gives its decoded direction (``dir_cent`` (n_sub * n_cent, d_sub)) the stored
     ``I(t, t)`` under ``inv`` (K, d)."""
     n, k = len(local), protos.shape[1]
@@ -65,8 +90,6 @@ def code_terms(local: np.ndarray, protos: np.ndarray, act_codes: np.ndarray, act
         if not hit:
             continue
         _unpack_row(codes, r, bits, n_sub, code)
-        for s in range(n_sub):
-            code[s] += s * n_cent  # the code's column of the tables
         is_dir = has_dirs and ((code_dir[r >> 3] >> (7 - (r & 7))) & 1) == 1
         tab = d_tab if is_dir else m_tab
         length = 1.0
@@ -80,7 +103,7 @@ def code_terms(local: np.ndarray, protos: np.ndarray, act_codes: np.ndarray, act
                 part = 0.0
                 for s in range(n_sub):
                     for e in range(ds):
-                        x = dir_cent[code[s], e]
+                        x = dir_cent[s * n_cent + code[s], e]
                         part += x * x * inv[p, s * ds + e]
                 i_unit += a * a * part
             length = np.sqrt(t_self[i] / max(i_unit, 1e-30))
@@ -92,6 +115,6 @@ def code_terms(local: np.ndarray, protos: np.ndarray, act_codes: np.ndarray, act
                 continue
             v = 0.0
             for s in range(n_sub):
-                v += tab[c, code[s]]
+                v += tab[s, c, code[s]]
             v = v * length if is_dir else v - y_tab[c, targets[i]]
             out_terms[i, j] = a * v

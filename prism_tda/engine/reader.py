@@ -25,7 +25,7 @@ from prism_tda.errors import PrismError
 from . import layout
 from .arrays import unique
 from .curvature import self_influence
-from .kernels import code_terms
+from .kernels import code_terms, over_rows
 from .layout import DOC_ROW_GROUP, ShardInfo
 from .reads import IndexWide
 
@@ -199,14 +199,13 @@ class IndexReader(IndexWide):
                           d_tab: np.ndarray | None, inv: np.ndarray) -> tuple[TokenData, np.ndarray]:
         """:meth:`token_data` of the tokens ``tok`` and each slot's term of their approximate score (n, k),
         in one compiled pass over the shards' arrays (``engine/kernels.py``): ``col`` (K,) each
-        prototype's row of the query's lookup tables (or -1): ``m_tab`` and ``d_tab``
-        (P, n_sub * 2^bits), ``y_tab`` (P, V); ``inv`` (K, d) the curvature at the index's damping."""
+        prototype's column of the query's lookup tables (or -1): ``m_tab`` and ``d_tab``
+        (n_sub, P, 2^bits), ``y_tab`` (P, V); ``inv`` (K, d) the curvature at the index's damping."""
         n, k = len(tok), self.k
         codec = self.codec
         n_cent = 1 << codec.bits
-        none2 = np.zeros((0, 0), np.float32)
-        dir_cent = none2 if codec._flat_dir_centroids is None else codec._flat_dir_centroids.numpy()
-        d_tab = none2 if d_tab is None else d_tab
+        dir_cent = np.zeros((0, 0), np.float32) if codec._flat_dir_centroids is None else codec._flat_dir_centroids.numpy()
+        d_tab = np.zeros((0, 0, 0), np.float32) if d_tab is None else d_tab
         parts = []
         for s, at, local in self._split(tok, self.tok_base):
             sh = self.shard(s)
@@ -215,9 +214,15 @@ class IndexReader(IndexWide):
             code_dir = np.zeros(0, np.uint8) if sh.code_dir is None else np.asarray(sh.code_dir)
             m = len(local)
             p_, a_, v_ = np.empty((m, k), np.int64), np.empty((m, k), np.float32), np.empty((m, k), np.float32)
-            code_terms(np.ascontiguousarray(local, np.int64), np.asarray(sh.protos), np.asarray(sh.acts),
-                       self.act_table, np.asarray(sh.codes), code_dir, t_self, tg, codec.bits, codec.n_sub, n_cent,
-                       col, m_tab, y_tab, d_tab, dir_cent, inv, p_, a_, v_)
+            rows = np.ascontiguousarray(local, np.int64)
+            sp, sa, sc = np.asarray(sh.protos), np.asarray(sh.acts), np.asarray(sh.codes)
+
+            def part(at: slice, rows=rows, sp=sp, sa=sa, sc=sc, code_dir=code_dir, t_self=t_self, tg=tg, p_=p_, a_=a_,
+                     v_=v_) -> None:
+                code_terms(rows[at], sp, sa, self.act_table, sc, code_dir, t_self[at], tg[at], codec.bits,
+                           codec.n_sub, n_cent, col, m_tab, y_tab, d_tab, dir_cent, inv, p_[at], a_[at], v_[at])
+
+            over_rows(m, part, torch.get_num_threads())
             parts.append((at, p_, a_, t_self, tg, v_))
         if len(parts) == 1:  # one shard: its arrays are the answer
             _, protos, acts, self_inf, targets, terms = parts[0]

@@ -205,7 +205,7 @@ def approx_scores(reader: IndexReader, G: torch.Tensor, pre: Preconditioner, tok
             out.match = approx_match(reader, out, data, match, pre, t_self, U)
         return out
     col, Wq = _query_columns(G, pre)
-    # (P, n_sub * 2^bits), (P, V), and the direction codebook's table
+    # (n_sub, P, 2^bits), (P, V), and the direction codebook's (n_sub, P, 2^bits)
     m_tab, y_tab, d_tab = reader.codec.lookup_tables(Wq, directions=reader.codec.has_directions)
     data, slot_val = reader.scored_token_data(tok, col, m_tab.numpy(), y_tab.numpy(),
                                               None if d_tab is None else d_tab.numpy(), pre.inv32)
