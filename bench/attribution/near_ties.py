@@ -173,23 +173,25 @@ def near_ties(s: np.ndarray, keep: np.ndarray, k: int = 10) -> int:
 
 
 def fast_overlap(att: Attributor, queries: list[dict], per_query: list[dict], aggregations: list[str],
-                 n: int = 10) -> dict:
-    """The fast path (as served: default settings, one query at a time, every document allowed)
-    against the exact top 10 of each aggregation: strict overlap@10 per query kind, and seconds per
-    query."""
+                 n: int = 10, **options) -> dict:
+    """The fast path (as served: default settings unless ``options`` (QueryOptions fields) say
+    otherwise, one query at a time, every document allowed) against the exact top 10 of each
+    aggregation: strict overlap@10 per query kind, seconds per query and documents re-ranked."""
     out: dict = {}
     for agg in aggregations:
         ov: dict[str, list[float]] = {}
-        secs = []
+        secs, reranked = [], []
         for q, row in zip(queries, per_query, strict=True):
             t0 = time.perf_counter()
             res = att.attribute(QuerySpec(q["prompt"], q["completion"]),
-                                QueryOptions(n_documents=n, aggregation=agg, include_untrained=True))
+                                QueryOptions(n_documents=n, aggregation=agg, include_untrained=True, **options))
             secs.append(time.perf_counter() - t0)
+            reranked.append(res.documents_reranked)
             got = {d.external_id for d in res.documents}
             ov.setdefault(q["kind"], []).append(len(got & set(row["top10"][agg])) / max(len(row["top10"][agg]), 1))
         out[agg] = {"overlap_at_10": {k: round(float(np.mean(v)), 3) for k, v in ov.items()},
-                    "seconds_per_query_median": round(float(np.median(secs)), 3)}
+                    "seconds_per_query_median": round(float(np.median(secs)), 3),
+                    "documents_reranked_mean": round(float(np.mean(reranked)), 2)}
     return out
 
 
@@ -214,6 +216,9 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--planted-kinds", default="verbatim,paraphrase")
     ap.add_argument("--fast", default="cosine_max,cosine_match",
                     help="aggregations to run the fast path with, against their exact top 10")
+    ap.add_argument("--variants", type=json.loads, default={},
+                    help='JSON {name: {QueryOptions field: value}}: the fast path again under each, beside the '
+                         'served default (under "fast_variants")')
     ap.add_argument("--reuse", action="store_true",
                     help="take the exact results from --out (a run with the same arguments) and add the fast path")
     ap.add_argument("--out", default="bench/results/near_ties.json")
@@ -237,6 +242,8 @@ def main(argv: list[str] | None = None) -> dict:
         res = json.loads(Path(args.out).read_text())
         assert [r["id"] for r in res["per_query"]] == [q["id"] for q in queries], "--reuse: other queries"
         res["fast"] = fast_overlap(att, queries, res["per_query"], args.fast.split(","))
+        res["fast_variants"] = {name: fast_overlap(att, queries, res["per_query"], args.fast.split(","), **opts)
+                                for name, opts in args.variants.items()}
         return finish(headline(res), "attribution/near_ties.py", argv, args.out, hide=("per_query",))
     encoded = [att.encode(QuerySpec(q["prompt"], q["completion"])) for q in queries]
     pre = att.preconditioner(None)
@@ -302,6 +309,8 @@ def main(argv: list[str] | None = None) -> dict:
     }
     if args.fast:
         res["fast"] = fast_overlap(att, queries, per_query, args.fast.split(","))
+        res["fast_variants"] = {name: fast_overlap(att, queries, per_query, args.fast.split(","), **opts)
+                                for name, opts in args.variants.items()}
     return finish(headline(res), "attribution/near_ties.py", argv, args.out, hide=("per_query",))
 
 

@@ -118,12 +118,23 @@ class TokenCodec:
         first for the direction codebook (None without one, or unless ``directions``). Contiguous, as
         the batched products leave them."""
         n_sub, k, ds = self.centroids.shape
-        Wv = Wq.float().view(len(Wq), n_sub, ds).transpose(0, 1)  # (n_sub, P, d_sub)
-        m_tab = torch.bmm(Wv, self._flat_centroids.view(n_sub, k, ds).transpose(1, 2))
+        Wv = Wq.float().view(len(Wq), n_sub, ds).transpose(0, 1).contiguous()  # (n_sub, P, d_sub)
+        m_tab = torch.bmm(Wv, self._books_t[0])
         d_tab = None
-        if directions and self._flat_dir_centroids is not None:
-            d_tab = torch.bmm(Wv, self._flat_dir_centroids.view(n_sub, k, ds).transpose(1, 2))
+        if directions and self._books_t[1] is not None:
+            d_tab = torch.bmm(Wv, self._books_t[1])
         return m_tab, Wq.float() @ self._WQ.T, d_tab
+
+    @functools.cached_property
+    def _books_t(self) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The flattened codebooks as (n_sub, d_sub, 2^bits), contiguous: the right operand of the
+        lookup tables' batched product."""
+        n_sub, k, ds = self.centroids.shape
+
+        def t(flat: torch.Tensor) -> torch.Tensor:
+            return flat.view(n_sub, k, ds).transpose(1, 2).contiguous()
+
+        return t(self._flat_centroids), None if self._flat_dir_centroids is None else t(self._flat_dir_centroids)
 
     def flat_codes(self, packed: np.ndarray) -> np.ndarray:
         """Packed codes (N, code_bytes) -> (N, n_sub) rows of the flattened codebooks (code + s * 2^bits)."""

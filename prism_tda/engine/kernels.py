@@ -118,3 +118,28 @@ def code_terms(local: np.ndarray, protos: np.ndarray, act_codes: np.ndarray, act
                 v += tab[s, c, code[s]]
             v = v * length if is_dir else v - y_tab[c, targets[i]]
             out_terms[i, j] = a * v
+
+
+@njit(cache=True, nogil=True)
+def best_in_runs(groups: np.ndarray, value: np.ndarray, tie: np.ndarray) -> np.ndarray:
+    """Position of each run's best element of ``groups`` (non-decreasing): the highest ``value``, then
+    the highest ``tie``, then the first (NaN below every number): what a stable sort by (group, -value,
+    -tie) puts first in each group."""
+    n = len(groups)
+    out = np.empty(n, np.int64)
+    m = 0
+    i = 0
+    while i < n:
+        best = i
+        j = i + 1
+        while j < n and groups[j] == groups[i]:
+            v, b = value[j], value[best]
+            same = v == b or (np.isnan(v) and np.isnan(b))
+            t, tb = tie[j], tie[best]
+            if v > b or (np.isnan(b) and not np.isnan(v)) or (same and (t > tb or (np.isnan(tb) and not np.isnan(t)))):
+                best = j
+            j += 1
+        out[m] = best
+        m += 1
+        i = j
+    return out[:m]

@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from prism_tda.engine import Attributor, QueryOptions, QuerySpec
+from prism_tda.engine.aggregate import best_of_groups
 from prism_tda.engine.codec import pack, unpack
 from prism_tda.engine.kernels import _unpack_row
 from prism_tda.engine.scoring import approx_scores, score_tokens
@@ -97,3 +98,22 @@ def test_adaptive_rerank_recomputes_fewer_documents_for_the_same_top(att12):
                 assert d.score == pytest.approx(both[d.doc_id], rel=1e-5)
         agree.append(len(both.keys() & {d.doc_id for d in ada.documents}))
     assert sum(agree) >= 0.9 * 5 * len(agree) and any(fewer)
+
+
+def test_best_of_sorted_groups_is_the_stable_sorts_first():
+    """The compiled pass over runs picks what a stable sort by (group, -value, -tie) puts first, NaN
+    included."""
+    rng = np.random.default_rng(0)
+    for t in range(500):
+        n = int(rng.integers(1, 60))
+        g = np.sort(rng.integers(0, 8, n))
+        v, w = rng.integers(0, 4, n).astype(float), rng.integers(0, 3, n).astype(float)
+        if t % 3 == 0:
+            v[rng.random(n) < 0.2], w[rng.random(n) < 0.2] = np.nan, np.nan
+        for keys, tie in (((-w, -v, g), w), ((-v, g), None)):
+            order = np.lexsort(keys)
+            first = order[np.r_[True, g[order][1:] != g[order][:-1]]]
+            assert np.array_equal(best_of_groups(g, v, tie), first)
+    # groups out of order take the sort
+    g = np.array([2, 1, 2, 1])
+    assert np.array_equal(best_of_groups(g, np.array([1.0, 2.0, 3.0, 0.0])), [1, 2])
