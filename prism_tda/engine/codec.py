@@ -25,7 +25,9 @@ exactly, and the length is what makes the decoded direction's ``I(t, t)`` equal 
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
+import threading
+from collections import OrderedDict
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -75,6 +77,9 @@ def unpack_torch(packed: np.ndarray, bits: int, n_sub: int) -> torch.Tensor:
     return torch.stack([v & 0xFFF, v >> 12], dim=-1).reshape(n, n_sub).long()
 
 
+TABLES_KEPT = 4  # the lookup tables of the last few queries' columns (each a few MB)
+
+
 @dataclass
 class TokenCodec:
     """Product quantiser of ``D^{-1/2} m_t`` with the target row added back on decode."""
@@ -85,6 +90,8 @@ class TokenCodec:
     Q: torch.Tensor  # (d, d) the curvature basis
     bits: int
     dir_centroids: torch.Tensor | None = None  # (n_sub, 2^bits, d_sub) unit directions of D^{-1/2} u_t
+    _tables: OrderedDict = field(default_factory=OrderedDict, init=False, repr=False, compare=False)
+    _tables_lock: threading.Lock = field(default_factory=threading.Lock, init=False, repr=False, compare=False)
 
     @functools.cached_property
     def _WQ(self) -> torch.Tensor:
@@ -117,13 +124,24 @@ class TokenCodec:
         column's product with every target row ``Q^T W[y]``, and (n_sub, P, 2^bits) the same as the
         first for the direction codebook (None without one, or unless ``directions``). Contiguous, as
         the batched products leave them."""
+        Wq = Wq.float().contiguous()
+        key = (Wq.numpy().tobytes(), directions)  # a query's first stage and shortlist ask for the same
+        with self._tables_lock:
+            hit = self._tables.get(key)
+        if hit is not None:
+            return hit
         n_sub, k, ds = self.centroids.shape
-        Wv = Wq.float().view(len(Wq), n_sub, ds).transpose(0, 1).contiguous()  # (n_sub, P, d_sub)
+        Wv = Wq.view(len(Wq), n_sub, ds).transpose(0, 1).contiguous()  # (n_sub, P, d_sub)
         m_tab = torch.bmm(Wv, self._books_t[0])
         d_tab = None
         if directions and self._books_t[1] is not None:
             d_tab = torch.bmm(Wv, self._books_t[1])
-        return m_tab, Wq.float() @ self._WQ.T, d_tab
+        out = m_tab, Wq @ self._WQ.T, d_tab
+        with self._tables_lock:
+            self._tables[key] = out
+            while len(self._tables) > TABLES_KEPT:
+                self._tables.popitem(last=False)
+        return out
 
     @functools.cached_property
     def _books_t(self) -> tuple[torch.Tensor, torch.Tensor | None]:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 from tokenizers import Tokenizer
 
@@ -149,19 +150,20 @@ class QueryEncoder:
             positions = [positions[spec.target_index]]
         inp, tgt = ids[:-1], ids[1:]
         targets = [tgt[p] for p in positions]
-        tb = run_batch(self.model, [inp], [tgt])
-        sel = torch.tensor(positions)
-        ut = (tb.u[sel] @ self.Q)[:, : self.u_dim]  # (n, u_dim) Q^T u_t of the target tokens
-        a, idx = tb.acts[sel].float(), tb.proto_idx[sel]  # (n, k)
+        # the target positions only (ascending): the rows of the batch are theirs, in order
+        tb = run_batch(self.model, [inp], [tgt], positions=[np.asarray(positions, np.int64)])
+        ut = (tb.u @ self.Q)[:, : self.u_dim]  # (n, u_dim) Q^T u_t of the target tokens
+        a, idx = tb.acts.float(), tb.proto_idx  # (n, k)
         G = torch.zeros(self.model.cfg.n_prototypes, self.u_dim)
         for j in range(idx.shape[1]):  # k small: one scatter per active slot
             G.index_add_(0, idx[:, j], a[:, j : j + 1] * ut)
-        return Query(spec, ids, len(p_ids), positions, targets, G, self._per_token(ids, positions, targets),
+        return Query(spec, ids, len(p_ids), positions, targets, G, self._per_token(ids, positions, targets, tb.z),
                      self.tokenizer.decode(targets), idx, a, ut.float())
 
-    def _per_token(self, ids: list[int], positions: list[int], targets: list[int]) -> list[TokenView]:
+    def _per_token(self, ids: list[int], positions: list[int], targets: list[int],
+                   hidden: torch.Tensor) -> list[TokenView]:
         d = self.model.decompose(torch.tensor(ids[:-1]), positions=torch.tensor(positions),
-                                 tokens=torch.tensor(targets))
+                                 tokens=torch.tensor(targets), hidden=hidden)
         out = []
         for n, (pos, y) in enumerate(zip(positions, targets, strict=True)):
             protos = [TokenPrototype(int(p), float(a), float(c))

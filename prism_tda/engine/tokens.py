@@ -31,6 +31,7 @@ class TokenBatch:
     loss: torch.Tensor  # (N,) next-token cross-entropy
     top_cos: torch.Tensor  # (N,) max_i cos(z_t, p_i)
     proto_max_cos: torch.Tensor  # (K,) max_t cos(p_i, z_t) over this batch
+    z: torch.Tensor  # (N, d) the final hidden states
 
 
 def pad_batch(tokens: list[list[int]], targets: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -111,4 +112,4 @@ def run_batch(
     delta[at_y] -= 1.0  # softmax - onehot
     u = delta @ W  # (N, d)
     sim = model.head.similarities(zv)
-    return TokenBatch(rows, pos, x[rows, pos], yv, h.proto_idx, h.acts, u, loss, sim.amax(1), sim.amax(0))
+    return TokenBatch(rows, pos, x[rows, pos], yv, h.proto_idx, h.acts, u, loss, sim.amax(1), sim.amax(0), zv)

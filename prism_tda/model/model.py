@@ -312,21 +312,25 @@ class PRISM(nn.Module):
 
     @torch.no_grad()
     def decompose(
-        self, idx: torch.Tensor, positions: torch.Tensor | None = None, tokens: torch.Tensor | None = None
+        self, idx: torch.Tensor, positions: torch.Tensor | None = None, tokens: torch.Tensor | None = None,
+        hidden: torch.Tensor | None = None,
     ) -> Decomposition:
         """Split the logit of ``tokens`` at ``positions`` of one sequence idx (T,) or (1, T).
 
         ``positions`` (n,) defaults to every position; ``tokens`` (n,) defaults to the greedy
-        next token at each position. Returns each active prototype's share
+        next token at each position; ``hidden`` (n, d): the final hidden states at ``positions`` when
+        the caller has them (no forward pass then). Returns each active prototype's share
         ``a_{t,i} (W p_i)_y`` and the residual's share ``(W r_t)_y``; they add up to ``l_t[y]``.
         """
         if self.head is None:
             raise ValueError("decompose() needs a PRISM head; this is the dense baseline")
-        idx = idx.reshape(1, -1)
-        z = self.hidden(idx)[0].float()  # (T, d)
-        if positions is None:
-            positions = torch.arange(z.shape[0], device=z.device)
-        zp = z[positions]  # (n, d)
+        if hidden is not None:
+            zp = hidden.float()
+        else:
+            z = self.hidden(idx.reshape(1, -1))[0].float()  # (T, d)
+            if positions is None:
+                positions = torch.arange(z.shape[0], device=z.device)
+            zp = z[positions]  # (n, d)
         logits = F.linear(zp, self.W.float())  # (n, V)
         if tokens is None:
             tokens = logits.argmax(-1)
