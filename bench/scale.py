@@ -20,7 +20,8 @@ untrained; every query here asks for them (``include_untrained``), as an audit o
 For every size: ``prism serve`` is started on the index as its own process, time to ``/readyz``,
 ``POST /v1/attribute`` (fast mode, top 10, a 48-token prompt and its 16-token continuation from
 held-out documents of the corpus, one query at a time) p50/p99, and the server's anonymous memory
-(``RssAnon``) after the queries, against the same server on an empty index (no shards). Overlap@10
+(``RssAnon``) after the queries, against the same server on an empty index (no shards); at the
+largest size also p50/p99 with 8 clients at once (``--clients``). Overlap@10
 of the fast path with the exact ranking (every token recomputed) is measured in-process at one
 real size.
 
@@ -114,15 +115,29 @@ def planted_queries(corpus: Path, files: list[str]) -> list[dict]:
 
 
 # --------------------------------------------------------------------------- serving
-def serve_and_measure(index: Path, queries: list[dict], n_requests: int) -> dict:
+def _body(q: dict) -> dict:
+    return {"prompt": q["prompt"], "completion": q["completion"], "top_k": 10, "mode": "fast", "include_untrained": True}
+
+
+def concurrent_latency(url: str, queries: list[dict], n_requests: int, clients: int) -> dict:
+    """p50/p99 of ``n_requests`` queries sent by ``clients`` threads at once (one connection each)."""
+    from bench.service_load import run_load
+
+    r = run_load(url, lambda i: _body(queries[i % len(queries)]), n_requests, clients, "/v1/attribute")
+    if r["errors"]:
+        raise SystemExit(f"{clients} clients: {r['errors']} errors, e.g. {r['error_examples'][:1]}")
+    return {k: r[k] for k in ("requests", "concurrency", "p50_ms", "p99_ms", "mean_ms", "requests_per_s")}
+
+
+def serve_and_measure(index: Path, queries: list[dict], n_requests: int, clients: int = 0) -> dict:
+    """One query at a time (``n_requests`` after five to warm up), then with ``clients`` > 1 the same
+    number from that many clients at once (``concurrent``)."""
     with served(index, "scale") as (server, url, ready_s):
         anon_ready = status_bytes(server.pid)
         lat, timings, scored = [], [], []
         with httpx.Client(base_url=url, timeout=120) as c:
             for i in range(n_requests + 5):
-                q = queries[i % len(queries)]
-                body = {"prompt": q["prompt"], "completion": q["completion"], "top_k": 10, "mode": "fast",
-                        "include_untrained": True}
+                body = _body(queries[i % len(queries)])
                 t = time.perf_counter()
                 r = c.post("/v1/attribute", json=body)
                 dt = time.perf_counter() - t
@@ -133,7 +148,9 @@ def serve_and_measure(index: Path, queries: list[dict], n_requests: int) -> dict
                     timings.append(r.json()["timings_ms"])
                     scored.append(r.json()["tokens_scored"])
         lat_a = np.array(lat)
+        concurrent = concurrent_latency(url, queries, n_requests, clients) if clients > 1 else None
         return {
+            "concurrent": concurrent,
             "ready_s": round(ready_s, 2), "requests": len(lat),
             "p50_ms": round(float(np.percentile(lat_a, 50)), 1), "p99_ms": round(float(np.percentile(lat_a, 99)), 1),
             "mean_ms": round(float(lat_a.mean()), 1),
@@ -292,6 +309,9 @@ def main(argv: list[str] | None = None) -> dict:
                     help="the build's output under /usr/bin/time -v (for its wall time and peak RSS)")
     ap.add_argument("--synthetic", default="4,16", help="synthetic sizes, as multiples of the real index")
     ap.add_argument("--requests", type=int, default=40)
+    ap.add_argument("--clients", type=int, default=8, help="concurrent clients at the largest size (0: none)")
+    ap.add_argument("--keep-overlap", action="store_true",
+                    help="carry the fast-vs-exact part of --out over instead of measuring it again")
     ap.add_argument("--overlap-shards", type=int, default=0,
                     help="measure fast vs exact on the first N shards (0: every real shard)")
     ap.add_argument("--overlap-queries", type=int, default=24, help="held-out queries (plus planted facts)")
@@ -355,13 +375,17 @@ def main(argv: list[str] | None = None) -> dict:
         d = disk_bytes(ix)
         s["disk_bytes"] = d
         s["disk_bytes_per_token"] = round(sum(d.values()) / s["tokens"], 2) if s["tokens"] else None
-        s["serve"] = serve_and_measure(ix, queries, args.requests)
+        s["serve"] = serve_and_measure(ix, queries, args.requests, args.clients if s is sizes[-1] else 0)
         print(json.dumps({k: s[k] for k in ("shards", "tokens", "synthetic", "disk_bytes_per_token")}
                          | {k: s["serve"][k] for k in ("ready_s", "p50_ms", "p99_ms", "rss_anon_bytes")}), flush=True)
     empty = sizes[0]["serve"]["rss_anon_bytes"]
     for s in sizes[1:]:
         s["serve_anon_bytes_per_token"] = round((s["serve"]["rss_anon_bytes"] - empty) / s["tokens"], 3)
-    overlap = measure_overlap()
+    if args.keep_overlap:  # the exact pass is long: the last run's measurement, said to be so
+        overlap = json.loads(Path(args.out).read_text())["overlap"]
+        overlap["kept_from_earlier_run"] = True
+    else:
+        overlap = measure_overlap()
     real_sizes = [s for s in sizes if not s["synthetic"] and s["tokens"]]
     largest_real, largest = real_sizes[-1], sizes[-1]
     by_tokens = {s["tokens"]: s for s in sizes if s["tokens"]}
@@ -370,9 +394,11 @@ def main(argv: list[str] | None = None) -> dict:
         small = min(by_tokens.values(), key=lambda s: abs(np.log(s["tokens"] * 16 / big["tokens"])))
         return round(big["serve"]["p50_ms"] / small["serve"]["p50_ms"], 2) if small is not big else None
 
-    build = {}
+    build: dict = {}
     log = Path(args.build_log)
-    if log.is_file():
+    if not log.is_file():  # the build's own record of its wall time
+        build["wall_s"] = (m.summary.get("timings") or {}).get("last_run_wall_s") if m.summary else None
+    else:
         for line in log.read_text().splitlines():
             if "Elapsed (wall clock)" in line:
                 parts = line.rsplit(" ", 1)[1].split(":")
@@ -389,6 +415,10 @@ def main(argv: list[str] | None = None) -> dict:
         "latency_growth_16x": p50_growth(largest),
         "latency_growth_16x_real": p50_growth(largest_real),
         "p50_ms_largest": largest["serve"]["p50_ms"],
+        "p99_ms_largest": largest["serve"]["p99_ms"],
+        **({f"p99_ms_largest_{args.clients}_clients": largest["serve"]["concurrent"]["p99_ms"],
+            f"p50_ms_largest_{args.clients}_clients": largest["serve"]["concurrent"]["p50_ms"]}
+           if largest["serve"].get("concurrent") else {}),
         "p50_ms_largest_real": largest_real["serve"]["p50_ms"],
         "overlap_at_10_fast_vs_exact": overlap["overlap_at_10"],
         "overlap": overlap,
