@@ -174,6 +174,9 @@ class Attributor:
                                       n=max(opt.exact_rerank, opt.n_documents), m=m,
                                       match=None if match is None else match.targets,
                                       include_untrained=opt.include_untrained, ctx=ctx)
+        t1 = time.perf_counter()
+        if ctx is not None:
+            ctx.shortlist_ms = 1e3 * (t1 - t0) - ctx.candidates_ms
         # what re-ranking each shortlisted document takes: the rows of its best sequence to re-score
         # (None: every row), or with cosine_match every candidate sequence of it (a target token's best
         # match can sit in any window of the document)
@@ -209,6 +212,8 @@ class Attributor:
         exact = concat_scores(parts, self.reader.k, None if match is None else match.n_targets)
         ranked, ties = rank_documents_with_ties(self.reader, exact, opt.aggregation, opponents=opt.opponents,
                                                 n=opt.n_documents)
+        if ctx is not None:
+            ctx.rerank_ms = 1e3 * (time.perf_counter() - t1)
         return exact, short.n_scored, ranked, ties, len(done)
 
     def _exhaustive(self, q: Query, opt: QueryOptions, pre: Preconditioner, stop: threading.Event | None = None,
@@ -254,7 +259,8 @@ class Attributor:
                 for rank, (best, score) in enumerate(ranked, 1)]
         t4 = time.perf_counter()
         cand = ctx.candidates_ms
-        ms = Timings(1e3 * (t1 - t0), cand, 1e3 * (t3 - t1) - cand, 1e3 * (t4 - t3), 1e3 * (t4 - t0))
+        ms = Timings(1e3 * (t1 - t0), cand, 1e3 * (t3 - t1) - cand, 1e3 * (t4 - t3), 1e3 * (t4 - t0),
+                     ctx.shortlist_ms, ctx.rerank_ms)
         return Attribution(opt.mode, opt.aggregation, pre.damping, q.info(), docs, q.per_token, ms, int(n_scored),
                            sorted(ctx.missing), ties, n_exact)
 

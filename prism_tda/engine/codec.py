@@ -77,7 +77,7 @@ def unpack_torch(packed: np.ndarray, bits: int, n_sub: int) -> torch.Tensor:
     return torch.stack([v & 0xFFF, v >> 12], dim=-1).reshape(n, n_sub).long()
 
 
-TABLES_KEPT = 4  # the lookup tables of the last few queries' columns (each a few MB)
+TABLES_BYTES = 32 << 20  # lookup tables kept for the next call with the same columns (0.5 MB per column)
 
 
 @dataclass
@@ -129,7 +129,7 @@ class TokenCodec:
         with self._tables_lock:
             hit = self._tables.get(key)
         if hit is not None:
-            return hit
+            return hit[0]
         n_sub, k, ds = self.centroids.shape
         Wv = Wq.view(len(Wq), n_sub, ds).transpose(0, 1).contiguous()  # (n_sub, P, d_sub)
         m_tab = torch.bmm(Wv, self._books_t[0])
@@ -137,10 +137,12 @@ class TokenCodec:
         if directions and self._books_t[1] is not None:
             d_tab = torch.bmm(Wv, self._books_t[1])
         out = m_tab, Wq @ self._WQ.T, d_tab
-        with self._tables_lock:
-            self._tables[key] = out
-            while len(self._tables) > TABLES_KEPT:
-                self._tables.popitem(last=False)
+        size = sum(t.numel() * t.element_size() for t in out if t is not None)
+        if size <= TABLES_BYTES:
+            with self._tables_lock:
+                self._tables[key] = (out, size)
+                while sum(v[1] for v in self._tables.values()) > TABLES_BYTES:
+                    self._tables.popitem(last=False)
         return out
 
     @functools.cached_property

@@ -204,6 +204,8 @@ def approx_scores(reader: IndexReader, G: torch.Tensor, pre: Preconditioner, tok
         if match is not None:
             out.match = approx_match(reader, out, data, match, pre, t_self, U)
         return out
+    if not len(tok):
+        return concat_scores([], reader.k, None if match is None else match.n_targets, exact=False)
     col, Wq = _query_columns(G, pre)
     # (n_sub, P, 2^bits), (P, V), and the direction codebook's (n_sub, P, 2^bits)
     m_tab, y_tab, d_tab = reader.codec.lookup_tables(Wq, directions=reader.codec.has_directions)
@@ -254,12 +256,12 @@ def exact_scores(model: PRISM, reader: Reads, G: torch.Tensor, pre: Precondition
     return concat_scores(parts, reader.k, None if match is None else match.n_targets)
 
 
-def concat_scores(parts: list[TokenScores], k: int, n_targets: int | None = None) -> TokenScores:
-    """Token scores of disjoint parts as one, rows ascending (``k``, ``n_targets``: the shapes of an
-    empty answer)."""
+def concat_scores(parts: list[TokenScores], k: int, n_targets: int | None = None, exact: bool = True) -> TokenScores:
+    """Token scores of disjoint parts as one, rows ascending (``k``, ``n_targets``, ``exact``: the
+    shapes and kind of an empty answer)."""
     if not parts:
         return TokenScores(np.zeros(0, np.int64), np.zeros(0), np.zeros(0), np.zeros((0, k), np.int64),
-                           np.zeros((0, k), np.float32), True,
+                           np.zeros((0, k), np.float32), exact,
                            None if n_targets is None else np.zeros((0, n_targets)))
     tok = np.concatenate([p.tok for p in parts])
     order = np.argsort(tok, kind="stable")

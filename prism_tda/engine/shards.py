@@ -113,6 +113,8 @@ class CallContext:
     partial: bool = False
     missing: set[int] = field(default_factory=set)
     candidates_ms: float = 0.0  # the first stages' time (the answer's timings)
+    shortlist_ms: float = 0.0  # scoring the candidates' tokens from the codes, shortlisting documents
+    rerank_ms: float = 0.0  # the exact re-rank (the model over the shortlisted sequences) and ranking
 
 
 @dataclass

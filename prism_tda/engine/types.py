@@ -210,6 +210,10 @@ class Timings:
     details: float
     """Snippets, highlights and prototypes of the returned documents."""
     total: float
+    shortlist: float = 0.0
+    """Of ``score``, fast mode: the candidates' tokens scored from the stored codes, documents shortlisted."""
+    rerank: float = 0.0
+    """Of ``score``, fast mode: the shortlisted sequences run through the model again, documents ranked."""
 
 
 @dataclass

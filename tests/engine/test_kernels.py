@@ -7,10 +7,11 @@ import itertools
 
 import numpy as np
 import pytest
+import torch
 
 from prism_tda.engine import Attributor, QueryOptions, QuerySpec
 from prism_tda.engine.aggregate import best_of_groups
-from prism_tda.engine.codec import pack, unpack
+from prism_tda.engine.codec import TABLES_BYTES, pack, unpack
 from prism_tda.engine.kernels import _unpack_row
 from prism_tda.engine.scoring import approx_scores, score_tokens
 from prism_tda.engine.tokens import length_batches
@@ -117,3 +118,19 @@ def test_best_of_sorted_groups_is_the_stable_sorts_first():
     # groups out of order take the sort
     g = np.array([2, 1, 2, 1])
     assert np.array_equal(best_of_groups(g, np.array([1.0, 2.0, 3.0, 0.0])), [1, 2])
+
+
+def test_lookup_tables_are_kept_within_their_byte_budget(att12):
+    codec = att12.reader.codec
+    d = codec.centroids.shape[0] * codec.centroids.shape[2]
+    rng = np.random.default_rng(0)
+    small = torch.from_numpy(rng.standard_normal((4, d)).astype(np.float32))
+    first = codec.lookup_tables(small)
+    assert codec.lookup_tables(small.clone())[0] is first[0]  # the same columns: the tables kept
+    per_column = sum(t.numel() * t.element_size() for t in first if t is not None) / 4
+    for _ in range(3 * TABLES_BYTES // int(4 * per_column) + 2):  # more than the budget holds
+        codec.lookup_tables(torch.from_numpy(rng.standard_normal((4, d)).astype(np.float32)))
+        assert sum(size for _, size in codec._tables.values()) <= TABLES_BYTES
+    big = torch.from_numpy(rng.standard_normal((int(TABLES_BYTES / per_column) + 1, d)).astype(np.float32))
+    codec.lookup_tables(big)
+    assert codec.lookup_tables(big)[0] is not codec.lookup_tables(big)[0]  # too big to keep
