@@ -1,8 +1,10 @@
 """Indexer throughput against the model's bare forward pass, bytes per token, and scaling.
 
 The bare forward pass (``model(x)``: backbone + logits, no autograd) runs on exactly the batches
-the indexer runs, in the same process, so ``throughput_ratio`` (the shard stage: forward, codes,
-posting lists, FAISS adds, files) says how close indexing comes to the physical limit, and
+the indexer runs (each shard's sequences grouped by length rounded up to 16, ``batch_size`` at a
+time; also reported on batches of consecutive sequences, as the indexer ran them before), in the same process, so
+``throughput_ratio`` (the shard stage: forward, codes, posting lists, FAISS adds, files) says how
+close indexing comes to the physical limit, and
 ``whole_job_ratio`` the same for the whole job (planning, calibration, shards, reduce) at the
 largest scale. Timed at 1x, 4x and 16x the corpus size.
 
@@ -21,10 +23,12 @@ import shutil
 import time
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from bench._common import finish, index_sequences
 from prism_tda import demo_corpus_path
+from prism_tda.engine.tokens import width_batches
 from prism_tda.indexer import IndexConfig
 from prism_tda.indexer.run import build_index
 from prism_tda.model import checkpoint as ckpt
@@ -42,16 +46,31 @@ def make_corpus(path: Path, n_docs: int) -> Path:
     return path
 
 
+def indexer_batches(index_dir: Path, batch_size: int, block: int) -> list[tuple[np.ndarray, int]]:
+    """The batches (sequence ids, padded width) the shard builder runs: in each shard, its sequences
+    grouped by length rounded up to 16, ``batch_size`` at a time (``engine/tokens.py: width_batches``)."""
+    from prism_tda.engine.reader import IndexReader
+
+    r = IndexReader(index_dir)
+    out = []
+    for s in range(len(r.manifest.shards)):
+        lo, hi = int(r.seq_base[s]), int(r.seq_base[s + 1])
+        lengths = np.array([r.seq_span(i)[1] - r.seq_span(i)[0] for i in range(lo, hi)])
+        out += [(lo + at, w) for at, w in width_batches(lengths, batch_size, block)]
+    return out
+
+
 @torch.no_grad()
-def bare_forward_tokens_per_s(checkpoint: str, index_dir: Path, batch_size: int) -> float:
+def bare_forward_tokens_per_s(checkpoint: str, index_dir: Path, batches: list[tuple[np.ndarray, int]]) -> float:
+    """``model(x)`` (backbone and logits, no autograd) over the index's sequences in ``batches``
+    (sequence ids, padded width)."""
     model, _, _ = ckpt.load_checkpoint(checkpoint)
     rows = index_sequences(index_dir)["token_ids"]
     n_tok = 0
     t0 = time.perf_counter()
-    for b in range(0, len(rows), batch_size):
-        batch = rows[b : b + batch_size]
-        T = max(len(r) for r in batch)
-        x = torch.zeros(len(batch), T, dtype=torch.long)
+    for seqs, width in batches:
+        batch = [rows[i] for i in seqs]
+        x = torch.zeros(len(batch), max(width, *(len(r) for r in batch)), dtype=torch.long)
         for i, r in enumerate(batch):
             x[i, : len(r)] = torch.as_tensor(r)
         model(x)
@@ -82,9 +101,14 @@ def main(argv: list[str] | None = None) -> dict:
                                "wall_s": round(wall, 2), "seconds_per_million_tokens": wall / s["tokens"] * 1e6,
                                "timings": s["timings"]})
         if scale == 1:
-            fwd = bare_forward_tokens_per_s(args.checkpoint, out, cfg.batch_size)
+            block = ckpt.read_config(ckpt.resolve(args.checkpoint))["model"]["block_size"]
+            fwd = bare_forward_tokens_per_s(args.checkpoint, out, indexer_batches(out, cfg.batch_size, block))
+            n_seqs = len(index_sequences(out)["token_ids"])
+            consecutive = [(np.arange(b, min(b + cfg.batch_size, n_seqs)), 0) for b in range(0, n_seqs, cfg.batch_size)]
             res |= {
                 "forward_tokens_per_s": fwd,
+                # the same forward on batches of consecutive sequences (how the indexer batched before)
+                "forward_tokens_per_s_consecutive_batches": bare_forward_tokens_per_s(args.checkpoint, out, consecutive),
                 # the shard stage: every shard's forward, codes, postings, FAISS adds and files
                 "shard_stage_tokens_per_s": s["tokens"] / s["timings"]["shards_s"],
                 "shard_stage_ratio": s["tokens"] / s["timings"]["shards_s"] / fwd,

@@ -34,9 +34,11 @@ class TokenBatch:
     z: torch.Tensor  # (N, d) the final hidden states
 
 
-def pad_batch(tokens: list[list[int]], targets: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Right-padded (B, T) token ids, targets and the mask of real tokens."""
-    B, T = len(tokens), max(len(t) for t in tokens)
+def pad_batch(tokens: list[list[int]], targets: list[list[int]],
+              width: int | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Right-padded (B, T) token ids, targets and the mask of real tokens (T: ``width``, at least the
+    longest sequence)."""
+    B, T = len(tokens), max([width or 0, *(len(t) for t in tokens)])
     x = torch.zeros(B, T, dtype=torch.long)
     y = torch.zeros(B, T, dtype=torch.long)
     mask = torch.zeros(B, T, dtype=torch.bool)
@@ -47,6 +49,7 @@ def pad_batch(tokens: list[list[int]], targets: list[list[int]]) -> tuple[torch.
     return x, y, mask
 
 
+WIDTH_STEP = 16  # the indexer pads a sequence to its length rounded up to this (``width_batches``)
 PER_CALL_TOKENS = 128  # a forward call's fixed cost, in padded tokens' worth (measured on 2 CPU cores)
 
 
@@ -73,23 +76,38 @@ def length_batches(lengths: np.ndarray, max_tokens: int, per_call: int = PER_CAL
     return out[::-1]
 
 
+def width_batches(lengths: np.ndarray, batch_size: int, block: int) -> list[tuple[np.ndarray, int]]:
+    """(positions of ``lengths``, padded width) of batches of at most ``batch_size`` sequences of one
+    width each: a sequence's length rounded up to ``WIDTH_STEP`` (at most ``block``). A sequence
+    is always computed at its own width, however the corpus is cut into shards or batches, so its
+    results do not depend on its neighbours' lengths; padding is under ``WIDTH_STEP`` a sequence."""
+    width = np.minimum(-(-np.asarray(lengths, np.int64) // WIDTH_STEP) * WIDTH_STEP, block)
+    out = []
+    for w in np.unique(width):
+        at = np.nonzero(width == w)[0]
+        out += [(at[b : b + batch_size], int(w)) for b in range(0, len(at), batch_size)]
+    return out
+
+
 @torch.no_grad()
 def run_batch(
     model: PRISM, tokens: list[list[int]], targets: list[list[int]], *,
     device: torch.device | str = "cpu", autocast: contextlib.AbstractContextManager | None = None,
-    positions: list[np.ndarray] | None = None,
+    positions: list[np.ndarray] | None = None, width: int | None = None,
 ) -> TokenBatch:
     """One forward pass over right-padded sequences (causal, so padding never leaks backwards).
 
     ``positions``: per sequence, the only positions whose quantities are wanted; the backbone then
     runs on each sequence up to its last wanted position, and the vocabulary-sized products (the
-    larger part of the cost) only at the wanted positions. Causality makes the results equal."""
+    larger part of the cost) only at the wanted positions. Causality makes the results equal.
+    ``width``: pad to this many positions at least (a sequence computed at the same padded width
+    rounds the same whatever else is in its batch)."""
     assert model.head is not None, "the indexer needs a PRISM model, not the dense baseline"
     if positions is not None:
         ends = [int(p.max()) + 1 if len(p) else 1 for p in positions]
         tokens = [t[:e] for t, e in zip(tokens, ends, strict=True)]
         targets = [t[:e] for t, e in zip(targets, ends, strict=True)]
-    x, y, mask = pad_batch(tokens, targets)
+    x, y, mask = pad_batch(tokens, targets, width)
     B, T = x.shape
     if positions is not None:
         keep = torch.zeros(B, T, dtype=torch.bool)

@@ -106,9 +106,11 @@ def faiss_spec(cfg: IndexConfig, n_seqs: int, dim: int, n_train: int) -> tuple[s
 
 
 def calibrate(model: PRISM, tokenizer: Tokenizer, units: list[WorkUnit], cfg: IndexConfig, out: Path, *,
-              device: torch.device | str = "cpu",
-              autocast: contextlib.AbstractContextManager | None = None) -> tuple[IndexCalibration, Calibration]:
-    """Fit the calibration on a sample of ``units``; write the FAISS template beside the index."""
+              device: torch.device | str = "cpu", autocast: contextlib.AbstractContextManager | None = None,
+              codec_iters: int = 12) -> tuple[IndexCalibration, Calibration]:
+    """Fit the calibration on a sample of ``units``; write the FAISS template beside the index.
+    ``codec_iters``: k-means iterations of the codebooks (the dry-run estimate, which needs codes of
+    the right size but not good ones, takes one)."""
     import faiss
 
     t0 = time.perf_counter()
@@ -143,7 +145,7 @@ def calibrate(model: PRISM, tokenizer: Tokenizer, units: list[WorkUnit], cfg: In
     scale = (curv.lam.mean(0) + cfg.damping * mean_eigenvalue(curv.lam, count)).rsqrt()
     W = model.W.detach().float().cpu()
     codec = TokenCodec.train(ut + W[y] @ Q, scale, W, Q, n_sub=cfg.code_subquantizers, bits=cfg.code_bits,
-                             seed=cfg.seed, u=ut)
+                             seed=cfg.seed, u=ut, iters=codec_iters)
     n_cells = max(1, min(cfg.posting_cells, len(u) // 8))
     x = normalise((ut * scale).numpy())
     km = faiss.Kmeans(d, n_cells, niter=20, seed=cfg.seed, spherical=True, max_points_per_centroid=256)

@@ -49,7 +49,7 @@ def estimate(ix, units: list[WorkUnit] | None = None) -> dict[str, Any]:
         out = tmp / "index"
         out.mkdir()
         calib, _ = calibrate(ix.model, ix.tokenizer, sample_units, small, out, device=ix.device,
-                             autocast=ix.autocast)
+                             autocast=ix.autocast, codec_iters=1)  # sizes and times need codes, not good ones
         from .shard import ShardBuilder
 
         builder = ShardBuilder(ix.model, ix.tokenizer, calib, small, out / layout.FAISS_TEMPLATE, device=ix.device,

@@ -44,7 +44,7 @@ from prism_tda.engine.layout import (
     write_table,
 )
 from prism_tda.engine.sketch import Sketch, embed_sequences, normalise
-from prism_tda.engine.tokens import run_batch
+from prism_tda.engine.tokens import run_batch, width_batches
 from prism_tda.fsutil import fsync_dir
 from prism_tda.model import PRISM
 from prism_tda.model.record import TrainingRecord, document_key
@@ -189,12 +189,14 @@ class ShardBuilder:
         top = _TopByPrototype(self.K, TOP_CONTEXTS)
         m = min(cfg.posting_entries, k)
         n_cells = self.calib.cells.shape[0]
-        for b0 in range(0, n_seq, cfg.batch_size):
-            b1 = min(b0 + cfg.batch_size, n_seq)
-            tb = run_batch(self.model, toks[b0:b1], tgts[b0:b1], device=self.device, autocast=self.autocast)
+        # batches of sequences of one padded width (a document shorter than the context pads less),
+        # each written at its own rows: the files come out in sequence order whatever the batches' order
+        for seq, width in width_batches(np.diff(tok0), cfg.batch_size, self.model.cfg.block_size):
+            tb = run_batch(self.model, [toks[i] for i in seq], [tgts[i] for i in seq], device=self.device,
+                           autocast=self.autocast, width=width)
             ut = tb.u @ self.Q  # (n, d) Q^T u_t
             stats.add(tb, ut)
-            rows = (torch.from_numpy(tok0[b0:b1])[tb.row.cpu()] + tb.pos.cpu()).numpy()  # token rows in the shard
+            rows = (torch.from_numpy(tok0[seq])[tb.row.cpu()] + tb.pos.cpu()).numpy()  # token rows in the shard
             a, p = tb.acts.float().cpu(), tb.proto_idx.cpu()
             utc = ut.float().cpu()
             tokens[rows] = tb.token_ids.cpu().numpy()
@@ -217,8 +219,8 @@ class ShardBuilder:
             tok, slot = (a > 0).nonzero(as_tuple=True)
             top.add(p[tok, slot].numpy(), a[tok, slot].numpy(), rows[tok.numpy()])
             e = embed_sequences(self.sketch, tb.row.cpu()[tok], p[tok, slot], a[tok, slot], tok, utc, self.inv_sqrt,
-                                b1 - b0).numpy()
-            index.add_with_ids(normalise(e), faiss_ids(unit.unit, np.arange(b0, b1, dtype=np.int64)))
+                                len(seq)).numpy()
+            index.add_with_ids(normalise(e), faiss_ids(unit.unit, seq.astype(np.int64)))
             if on_tokens is not None:
                 on_tokens(len(rows))
         sizes = {}
@@ -226,7 +228,7 @@ class ShardBuilder:
         pp, pc = np.concatenate(post_proto or [np.zeros(0)]), np.concatenate(post_cell or [np.zeros(0)])
         ps, pt = np.concatenate(post_share or [np.zeros(0)]), np.concatenate(post_tok or [np.zeros(0)])
         key = pp.astype(np.int64) * n_cells + pc.astype(np.int64)
-        order = np.lexsort((-ps, key))
+        order = np.lexsort((pt, -ps, key))  # equal shares: the lower row first (batch order does not matter)
         sizes["post_tokens"] = write_array(array_file(out, "post_tokens"), pt[order].astype(np.uint32))
         offsets = np.searchsorted(key[order], np.arange(self.K * n_cells + 1))
         sizes["post_offsets"] = write_array(array_file(out, "post_offsets"),

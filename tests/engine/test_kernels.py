@@ -14,7 +14,7 @@ from prism_tda.engine.aggregate import best_of_groups
 from prism_tda.engine.codec import TABLES_BYTES, pack, unpack
 from prism_tda.engine.kernels import _unpack_row
 from prism_tda.engine.scoring import approx_scores, score_tokens
-from prism_tda.engine.tokens import length_batches
+from prism_tda.engine.tokens import WIDTH_STEP, length_batches, width_batches
 from prism_tda.indexer.run import build_index
 from tests.conftest import index_cfg
 
@@ -134,3 +134,13 @@ def test_lookup_tables_are_kept_within_their_byte_budget(att12):
     big = torch.from_numpy(rng.standard_normal((int(TABLES_BYTES / per_column) + 1, d)).astype(np.float32))
     codec.lookup_tables(big)
     assert codec.lookup_tables(big)[0] is not codec.lookup_tables(big)[0]  # too big to keep
+
+
+def test_width_batches_group_sequences_by_their_rounded_length():
+    rng = np.random.default_rng(1)
+    lengths = rng.integers(1, 129, size=300)
+    batches = width_batches(lengths, 16, 128)
+    assert np.array_equal(np.sort(np.concatenate([b for b, _ in batches])), np.arange(300))
+    for at, w in batches:
+        assert 1 <= len(at) <= 16 and w % WIDTH_STEP == 0 and w <= 128
+        assert (lengths[at] <= w).all() and (lengths[at] > w - WIDTH_STEP).all()  # pads under one step
