@@ -106,8 +106,10 @@ class TokenCodec:
         return (self.centroids / self.scale.view(n_sub, 1, ds)).reshape(n_sub * k, ds).contiguous()
 
     @functools.cached_property
-    def _flat_dir_centroids(self) -> torch.Tensor | None:
-        """As :attr:`_flat_centroids`, of the direction codebook (None: the codec has none)."""
+    def flat_dir_centroids(self) -> torch.Tensor | None:
+        """As :attr:`_flat_centroids`, of the direction codebook (None: the codec has none): rows
+        ``s * 2^bits + code`` of unit directions, the scale divided out (what the compiled scoring
+        decodes a direction from)."""
         if self.dir_centroids is None:
             return None
         n_sub, k, ds = self.dir_centroids.shape
@@ -154,12 +156,7 @@ class TokenCodec:
         def t(flat: torch.Tensor) -> torch.Tensor:
             return flat.view(n_sub, k, ds).transpose(1, 2).contiguous()
 
-        return t(self._flat_centroids), None if self._flat_dir_centroids is None else t(self._flat_dir_centroids)
-
-    def flat_codes(self, packed: np.ndarray) -> np.ndarray:
-        """Packed codes (N, code_bytes) -> (N, n_sub) rows of the flattened codebooks (code + s * 2^bits)."""
-        k = self.centroids.shape[1]
-        return (unpack_torch(packed, self.bits, self.n_sub) + torch.arange(self.n_sub) * k).numpy()
+        return t(self._flat_centroids), None if self.flat_dir_centroids is None else t(self.flat_dir_centroids)
 
     def target_rows(self, targets: torch.Tensor) -> torch.Tensor:
         """(N, d) ``Q^T W[y]``: the exact part of ``Q^T u_t`` for target tokens ``y``."""
@@ -238,9 +235,9 @@ class TokenCodec:
                 m = torch.nn.functional.embedding(idx[at], self._flat_centroids).reshape(len(at), -1)
                 out[at] = m - self.target_rows(torch.from_numpy(targets[~dirs].astype(np.int64))).cpu()
             if dirs.any():
-                assert self._flat_dir_centroids is not None, "direction codes without a direction codebook"
+                assert self.flat_dir_centroids is not None, "direction codes without a direction codebook"
                 at = torch.from_numpy(np.nonzero(dirs)[0])
-                out[at] = torch.nn.functional.embedding(idx[at], self._flat_dir_centroids).reshape(len(at), -1)
+                out[at] = torch.nn.functional.embedding(idx[at], self.flat_dir_centroids).reshape(len(at), -1)
         return out
 
     def save(self, path: Path) -> None:

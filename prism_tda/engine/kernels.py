@@ -4,8 +4,9 @@ A query column's product with a stored token vector is a sum of table lookups (a
 ``engine/scoring.py``: ``approx_scores``). Done with numpy gathers it builds several temporary
 arrays per hit; here one pass over the rows reads each token's prototypes, activation codes, packed
 codes and direction bit straight from the shard's memory maps and writes the (n, k) terms of its
-score. Equal to the gathers up to float32 rounding (tests/engine/test_kernels.py). Large row sets
-are cut across threads (:func:`over_rows`: as many as torch's intra-op threads).
+score. Equal to the decoded token vectors' scores up to float32 rounding
+(tests/engine/test_kernels.py). Large row sets are cut across threads (:func:`over_rows`: as many as
+torch's intra-op threads).
 """
 
 from __future__ import annotations
@@ -69,9 +70,8 @@ def code_terms(local: np.ndarray, protos: np.ndarray, act_codes: np.ndarray, act
     ``m_tab``, ``d_tab`` (n_sub, P, n_cent): each query column's product with every centroid of each
     sub-quantiser. A token coded by ``m_t`` scores ``sum_s m_tab[s, c, code_s] - y_tab[c, y_t]``; one
     coded by its direction (bit set in ``code_dir``, packed big-endian per byte; empty: none) scores
-    ``length * sum_s d_tab[s, c, code_s]``, the length
-    being the one that gives its decoded direction (``dir_cent`` (n_sub * n_cent, d_sub)) the stored
-    ``I(t, t)`` under ``inv`` (K, d)."""
+    ``length * sum_s d_tab[s, c, code_s]``, the length being the one that gives its decoded direction
+    (``dir_cent`` (n_sub * n_cent, d_sub)) the stored ``I(t, t)`` under ``inv`` (K, d)."""
     n, k = len(local), protos.shape[1]
     ds = dir_cent.shape[1] if dir_cent.shape[0] else 0
     has_dirs = code_dir.shape[0] > 0

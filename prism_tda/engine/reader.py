@@ -171,7 +171,7 @@ class IndexReader(IndexWide):
     def _split(self, rows: np.ndarray, base: np.ndarray) -> list[tuple[int, np.ndarray, np.ndarray]]:
         """(shard, positions in ``rows``, local ids) for the global ids ``rows`` per shard."""
         sh = np.searchsorted(base, rows, side="right") - 1
-        if len(sh) and sh[0] == sh[-1] and (len(sh) < 3 or sh.min() == sh.max()):  # one shard (the usual case)
+        if len(sh) and sh.min() == sh.max():  # one shard (the usual case)
             s = int(sh[0])
             return [(s, np.arange(len(rows)), rows - base[s])]
         out = []
@@ -204,7 +204,7 @@ class IndexReader(IndexWide):
         n, k = len(tok), self.k
         codec = self.codec
         n_cent = 1 << codec.bits
-        dir_cent = np.zeros((0, 0), np.float32) if codec._flat_dir_centroids is None else codec._flat_dir_centroids.numpy()
+        dir_cent = np.zeros((0, 0), np.float32) if codec.flat_dir_centroids is None else codec.flat_dir_centroids.numpy()
         d_tab = np.zeros((0, 0, 0), np.float32) if d_tab is None else d_tab
         parts = []
         for s, at, local in self._split(tok, self.tok_base):
@@ -248,14 +248,12 @@ class IndexReader(IndexWide):
         return out
 
     def direction_lengths(self, packed: np.ndarray, protos: np.ndarray, acts: np.ndarray, targets: np.ndarray,
-                          stored_self: np.ndarray, index_inv: torch.Tensor | None = None) -> np.ndarray:
+                          stored_self: np.ndarray) -> np.ndarray:
         """(n,) the length of each direction-coded token vector (packed codes, active prototypes and
         activations, targets, stored ``I(t, t)``): the one that gives its decoded direction the stored
-        ``I(t, t)``, which the index keeps exactly (the codes hold no length). ``index_inv``: the
-        curvature at the index's damping, when the caller holds it."""
+        ``I(t, t)``, which the index keeps exactly (the codes hold no length)."""
         unit = self.codec.decode(packed, targets, np.ones(len(packed), dtype=bool))
-        inv = index_inv if index_inv is not None else self.inv(self.cfg.damping)
-        i_unit = self_influence(unit, protos, acts, inv)
+        i_unit = self_influence(unit, protos, acts, self.inv(self.cfg.damping))
         return np.sqrt(stored_self / np.maximum(i_unit, 1e-30)).astype(np.float32)
 
     def token_vectors(self, tok: np.ndarray, data: TokenData | None = None) -> torch.Tensor:

@@ -230,7 +230,7 @@ def exact_scores(model: PRISM, reader: Reads, G: torch.Tensor, pre: Precondition
     if tokens is not None:
         tokens = unique(tokens)
         tok_seq = reader.seq_of_tokens(tokens)
-        seqs = unique(tok_seq)
+        seqs = tok_seq
     seqs = unique(seqs)
     spans = [reader.seq_span(int(s)) for s in seqs]
     first = np.array([sp[0] for sp in spans], dtype=np.int64)
