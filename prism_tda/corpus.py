@@ -1,19 +1,25 @@
-"""Reading training corpora: JSONL(.gz), Parquet with a ``text`` column, folders of text files.
+"""Reading training corpora: JSONL(.gz), Parquet, Arrow (a Hugging Face ``datasets`` folder written by
+``save_to_disk``, or any Arrow IPC file), folders of text files.
 
-Bad records (no text, text of the wrong type, undecodable bytes, unparsable lines, a Parquet
-file without a ``text`` column, an empty file) are counted by reason and reported with their
-file and row; they never crash a run and are never dropped silently.
+The text and the id are read from the fields ``Fields`` names (``text`` and ``id``/``doc_id`` by
+default; a dotted path reaches into nested records: ``meta.id``). Arrow files are read through a
+memory map one record batch at a time, so a corpus larger than memory is never copied into it.
+
+Bad records (no text, text of the wrong type, undecodable bytes, unparsable lines, a columnar file
+without the text column, a record without the id field asked for, an empty file) are counted by
+reason and reported with their file and row; they never crash a run and are never dropped silently.
 """
 
 from __future__ import annotations
 
+import contextlib
 import gzip
 import hashlib
 import json
 import logging
 import os
 from collections import Counter
-from collections.abc import Iterable, Iterator
+from collections.abc import Generator, Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -24,7 +30,52 @@ log = logging.getLogger(__name__)
 TEXT_SUFFIXES = (".txt", ".md", ".text")
 JSONL_SUFFIXES = (".jsonl", ".jsonl.gz", ".json", ".ndjson")
 PARQUET_SUFFIXES = (".parquet",)
+ARROW_SUFFIXES = (".arrow",)
+# a `datasets` folder's own metadata, not documents
+DATASETS_METADATA = ("dataset_info.json", "state.json", "dataset_dict.json")
 MAX_EXAMPLES = 50  # bad-record examples kept per run
+
+
+@dataclass(frozen=True)
+class Fields:
+    """Where a record keeps its text and its id: a key, or a dotted path into nested records
+    (``meta.id``); a key that itself holds a dot is taken whole first."""
+
+    text: str = "text"
+    id: str | None = None  # None: ``id``, else ``doc_id``, else the file and row
+
+    def __post_init__(self) -> None:
+        for name, v in (("text", self.text), ("id", self.id)):
+            if v is not None and (not v or any(not part for part in v.split("."))):
+                raise CorpusError(f"--{name}-field {v!r}: want a field name or a dotted path such as meta.{name}")
+
+    @property
+    def is_default(self) -> bool:
+        return self == Fields()
+
+    def to_dict(self) -> dict[str, str | None]:
+        return {"text_field": self.text, "id_field": self.id}
+
+    def columns(self) -> list[str]:
+        """The top-level columns a columnar file must provide for these fields."""
+        cols = [self.text.split(".")[0]]
+        cols += [self.id.split(".")[0]] if self.id is not None else ["id", "doc_id"]
+        return cols + ["source", "title", "url"]
+
+
+_MISSING = object()
+
+
+def field_value(rec: dict, path: str):
+    """The value at ``path`` of a record (``_MISSING`` when a part of the path is absent)."""
+    if path in rec:
+        return rec[path]
+    cur = rec
+    for part in path.split("."):
+        if not isinstance(cur, dict) or part not in cur:
+            return _MISSING
+        cur = cur[part]
+    return cur
 
 
 @dataclass(frozen=True)
@@ -82,6 +133,10 @@ def _kind(path: Path) -> str:
     name = path.name.lower()
     if name.endswith(PARQUET_SUFFIXES):
         return "parquet"
+    if name.endswith(ARROW_SUFFIXES):
+        return "arrow"
+    if name in DATASETS_METADATA and path.parent.joinpath("state.json").is_file():
+        return "unknown"
     if name.endswith(JSONL_SUFFIXES):
         return "jsonl"
     if name.endswith(TEXT_SUFFIXES):
@@ -97,13 +152,17 @@ def corpus_files(paths: Iterable[str | Path]) -> list[Path]:
         if not p.exists():
             raise CorpusError(f"corpus path does not exist: {p}")
         if p.is_dir():
+            if (p / "dataset_dict.json").is_file():
+                splits = sorted(c.name for c in p.iterdir() if c.is_dir())
+                raise CorpusError(f"{p} is a datasets DatasetDict with splits {splits}: pass one split's folder, "
+                                  f"e.g. {p / (splits[0] if splits else 'train')}")
             found = sorted(f for f in p.rglob("*") if f.is_file() and _kind(f) != "unknown")
             if not found:
-                raise CorpusError(f"corpus folder has no .jsonl/.jsonl.gz/.parquet/.txt files: {p}")
+                raise CorpusError(f"corpus folder has no .jsonl/.jsonl.gz/.parquet/.arrow/.txt files: {p}")
             out.extend(found)
         else:
             if _kind(p) == "unknown":
-                raise CorpusError(f"unsupported corpus file type (want .jsonl[.gz], .parquet, .txt): {p}")
+                raise CorpusError(f"unsupported corpus file type (want .jsonl[.gz], .parquet, .arrow, .txt): {p}")
             out.append(p)
     return out
 
@@ -124,16 +183,23 @@ def _text_ok(text, path: str, stats: CorpusStats, *, row: int | None, offset: in
 @dataclass
 class WorkUnit:
     """A part of the corpus that one worker reads on its own: a byte range of a plain JSONL file, a
-    whole compressed JSONL file, a range of a Parquet file's row groups, or a batch of text files.
+    whole compressed JSONL file, a range of a Parquet file's row groups or of an Arrow file's record
+    batches, or a batch of text files.
     Planned from file sizes and Parquet footers alone, so planning never reads the corpus."""
 
     unit: int
-    kind: str  # jsonl | parquet | text
+    kind: str  # jsonl | parquet | arrow | text
     file: str  # the file; for text units, the folder their names are relative to
-    start: int = 0  # jsonl: byte offset; parquet: first row group
+    start: int = 0  # jsonl: byte offset; parquet: first row group; arrow: first record batch
     stop: int = -1  # exclusive; -1: to the end
     files: list[str] | None = None  # text units: the files, relative to ``file``
     bytes: int = 0  # corpus bytes in the unit
+    text_field: str = "text"  # the record's fields (``Fields``)
+    id_field: str | None = None
+
+    @property
+    def fields(self) -> Fields:
+        return Fields(self.text_field, self.id_field)
 
     @property
     def name(self) -> str:
@@ -159,12 +225,14 @@ def gzip_size(path: Path, compressed: int) -> int:
     return size
 
 
-def plan_units(paths: Iterable[str | Path], unit_bytes: int, first: int = 0) -> list[WorkUnit]:
+def plan_units(paths: Iterable[str | Path], unit_bytes: int, first: int = 0, fields: Fields | None = None
+               ) -> list[WorkUnit]:
     """Cut the corpus into work units of about ``unit_bytes`` each, numbered from ``first``."""
     units: list[WorkUnit] = []
+    fields = fields or Fields()
 
     def add(**kw) -> None:
-        units.append(WorkUnit(unit=first + len(units), **kw))
+        units.append(WorkUnit(unit=first + len(units), **kw, text_field=fields.text, id_field=fields.id))
 
     for p in paths:
         p = Path(p).absolute()
@@ -200,6 +268,20 @@ def plan_units(paths: Iterable[str | Path], unit_bytes: int, first: int = 0) -> 
                         lo, acc = g + 1, 0
                 if md.num_row_groups == 0:
                     add(kind="parquet", file=str(f), bytes=size)
+            elif kind == "arrow":
+                try:
+                    sizes = [b.nbytes for b in _arrow_batches(f)]
+                except Exception:  # noqa: BLE001 - unreadable: one unit, whose reader reports it
+                    add(kind="arrow", file=str(f), bytes=size)
+                    continue
+                lo, acc = 0, 0
+                for g, nb in enumerate(sizes):
+                    acc += nb
+                    if acc >= unit_bytes or g == len(sizes) - 1:
+                        add(kind="arrow", file=str(f), start=lo, stop=g + 1, bytes=acc)
+                        lo, acc = g + 1, 0
+                if not sizes:
+                    add(kind="arrow", file=str(f), bytes=size)
             elif f.name.lower().endswith(".gz"):
                 add(kind=kind, file=str(f), bytes=gzip_size(f, size))
             else:
@@ -213,9 +295,11 @@ def read_unit(unit: WorkUnit, stats: CorpusStats) -> Iterator[Document]:
     """The documents of one work unit, counting bad records in ``stats``."""
     f = Path(unit.file)
     if unit.kind == "jsonl":
-        it = _read_jsonl(f, stats, unit.start, unit.stop)
+        it = _read_jsonl(f, stats, unit.start, unit.stop, unit.fields)
     elif unit.kind == "parquet":
-        it = _read_parquet(f, stats, unit.start, unit.stop)
+        it = _read_parquet(f, stats, unit.start, unit.stop, unit.fields)
+    elif unit.kind == "arrow":
+        it = _read_arrow(f, stats, unit.start, unit.stop, unit.fields)
     else:
         it = (d for name in unit.files or [] for d in _read_text(f / name, f, stats))
     stats.n_files += 1 if unit.kind != "text" else len(unit.files or [])
@@ -252,8 +336,9 @@ def _lines(path: Path, start: int, stop: int) -> Iterator[tuple[int, int, bytes]
                 row += 1
 
 
-def _read_jsonl(path: Path, stats: CorpusStats, start: int = 0, stop: int = -1) -> Iterator[Document]:
-    src = str(path)
+def _read_jsonl(path: Path, stats: CorpusStats, start: int = 0, stop: int = -1, fields: Fields | None = None
+                ) -> Iterator[Document]:
+    src, fields = str(path), fields or Fields()
     n = 0
     for line_no, offset, raw in _lines(path, start, stop):
         row = line_no if line_no >= 0 else None
@@ -273,37 +358,51 @@ def _read_jsonl(path: Path, stats: CorpusStats, start: int = 0, stop: int = -1) 
         if not isinstance(rec, dict):
             stats.add_bad(src, reason="record_not_object", detail=type(rec).__name__, **where)
             continue
-        text = rec.get("text")
-        if not _text_ok(text, src, stats, **where):
-            continue
-        doc_id = rec.get("id", rec.get("doc_id"))
-        if doc_id is None:
-            doc_id = f"{path.name}:{row}" if row is not None else f"{path.name}@{offset}"
-        n += 1
-        assert isinstance(text, str)  # checked by _text_ok
-        yield Document(str(doc_id), text, str(rec.get("source") or path.name), _opt(rec.get("title")),
-                       _opt(rec.get("url")), len(raw))
+        fallback = f"{path.name}:{row}" if row is not None else f"{path.name}@{offset}"
+        doc = _document(rec, fields, src, where, fallback, path.name, len(raw), stats)
+        if doc is not None:
+            n += 1
+            yield doc
     if n == 0 and start == 0 and not any(e["file"] == src for e in stats.examples):
         stats.add_bad(src, None, "empty_file")
+
+
+def _document(rec: dict, fields: Fields, src: str, where: dict, fallback_id: str, default_source: str,
+              nbytes: int | None, stats: CorpusStats) -> Document | None:
+    """The document of one record, or None (counted in ``stats``) when it has no usable text or lacks
+    the id field asked for. ``nbytes`` None: the text's UTF-8 length."""
+    text = field_value(rec, fields.text)
+    if not _text_ok(None if text is _MISSING else text, src, stats, **where):
+        return None
+    assert isinstance(text, str)  # checked by _text_ok
+    if fields.id is not None:
+        doc_id = field_value(rec, fields.id)
+        if doc_id is _MISSING or doc_id is None:
+            stats.add_bad(src, reason="missing_id", detail=f"no field {fields.id!r}", **where)
+            return None
+    else:
+        doc_id = rec.get("id", rec.get("doc_id"))
+        doc_id = fallback_id if doc_id is None else doc_id
+    return Document(str(doc_id), text, str(rec.get("source") or default_source), _opt(rec.get("title")),
+                    _opt(rec.get("url")), len(text.encode()) if nbytes is None else nbytes)
 
 
 def _opt(v) -> str | None:
     return None if v is None else str(v)
 
 
-def _read_parquet(path: Path, stats: CorpusStats, first_group: int = 0, stop_group: int = -1) -> Iterator[Document]:
+def _read_parquet(path: Path, stats: CorpusStats, first_group: int = 0, stop_group: int = -1,
+                  fields: Fields | None = None) -> Iterator[Document]:
     import pyarrow.parquet as pq
 
-    src = str(path)
+    src, fields = str(path), fields or Fields()
     try:
         pf = pq.ParquetFile(path)
     except Exception as e:  # noqa: BLE001 - any unreadable file is a reported bad record
         stats.add_bad(src, None, "unreadable_file", str(e))
         return
     names = pf.schema_arrow.names
-    if "text" not in names:
-        if first_group == 0:
-            stats.add_bad(src, None, "missing_text_column", f"columns: {names}")
+    if not _has_text_column(names, fields, src, stats, first_group == 0):
         return
     md = pf.metadata
     stop_group = md.num_row_groups if stop_group < 0 else stop_group
@@ -313,25 +412,81 @@ def _read_parquet(path: Path, stats: CorpusStats, first_group: int = 0, stop_gro
         if first_group == 0:
             stats.add_bad(src, None, "empty_file")
         return
-    cols = [c for c in ("text", "id", "doc_id", "url", "title", "source") if c in names]
+    cols = _columns(names, fields)
     n0 = row
     for batch in pf.iter_batches(columns=cols, batch_size=4096, row_groups=groups):
-        data = batch.to_pydict()
-        for j in range(batch.num_rows):
-            text = data["text"][j]
-            r = row + j
-            if _text_ok(text, src, stats, row=r):
-                doc_id = data.get("id", data.get("doc_id", [None] * batch.num_rows))[j]
-                yield Document(
-                    str(doc_id) if doc_id is not None else f"{path.name}:{r}",
-                    text,
-                    str(data["source"][j]) if "source" in data and data["source"][j] else path.name,
-                    _opt(data["title"][j]) if "title" in data else None,
-                    _opt(data["url"][j]) if "url" in data else None,
-                    len(text.encode()),
-                )
+        yield from _batch_documents(batch, fields, src, path.name, row, stats)
         row += batch.num_rows
     if row == n0 == 0:
+        stats.add_bad(src, None, "empty_file")
+
+
+def _columns(names: list[str], fields: Fields) -> list[str]:
+    want = [fields.text] if fields.text in names else []
+    want += [fields.id] if fields.id is not None and fields.id in names else []
+    return list(dict.fromkeys(c for c in want + fields.columns() if c in names))
+
+
+def _has_text_column(names: list[str], fields: Fields, src: str, stats: CorpusStats, report: bool) -> bool:
+    if fields.text in names or fields.text.split(".")[0] in names:
+        return True
+    if report:
+        stats.add_bad(src, None, "missing_text_column", f"no column {fields.text!r}; columns: {names}")
+    return False
+
+
+def _batch_documents(batch, fields: Fields, src: str, name: str, row: int, stats: CorpusStats
+                     ) -> Iterator[Document]:
+    """The documents of one Arrow record batch whose first row is ``row`` of its file."""
+    for j, rec in enumerate(batch.to_pylist()):
+        r = row + j
+        doc = _document(rec, fields, src, {"row": r}, f"{name}:{r}", name, None, stats)
+        if doc is not None:
+            yield doc
+
+
+def _arrow_batches(path: Path) -> Generator:
+    """The record batches of an Arrow IPC file (the random-access format or the stream format that
+    ``datasets`` writes), read through a memory map: each batch's buffers stay in the page cache."""
+    import pyarrow as pa
+
+    source = pa.memory_map(str(path), "r")
+    try:
+        try:
+            reader = pa.ipc.open_file(source)
+        except pa.ArrowInvalid:
+            source.seek(0)
+            yield from pa.ipc.open_stream(source)
+            return
+        for i in range(reader.num_record_batches):
+            yield reader.get_batch(i)
+    finally:
+        source.close()
+
+
+def _read_arrow(path: Path, stats: CorpusStats, first: int = 0, stop: int = -1, fields: Fields | None = None
+                ) -> Iterator[Document]:
+    """The documents of record batches ``[first, stop)`` of an Arrow file (rows numbered from the file's
+    start)."""
+    import pyarrow as pa
+
+    src, fields = str(path), fields or Fields()
+    row = 0
+    try:
+        with contextlib.closing(_arrow_batches(path)) as batches:
+            for g, batch in enumerate(batches):
+                if stop >= 0 and g >= stop:
+                    break
+                if g == 0 and not _has_text_column(batch.schema.names, fields, src, stats, first == 0):
+                    return
+                if g >= first:
+                    cols = batch.select(_columns(batch.schema.names, fields))
+                    yield from _batch_documents(cols, fields, src, path.name, row, stats)
+                row += batch.num_rows
+    except (OSError, pa.ArrowInvalid) as e:
+        stats.add_bad(src, row, "unreadable_file", str(e))
+        return
+    if row == 0 and first == 0:
         stats.add_bad(src, None, "empty_file")
 
 
@@ -350,10 +505,11 @@ def _read_text(path: Path, root: Path | None, stats: CorpusStats) -> Iterator[Do
     yield Document(doc_id, text, source=path.parent.name or "text", title=path.stem, nbytes=len(raw))
 
 
-def read_corpus(paths: Iterable[str | Path], stats: CorpusStats | None = None) -> Iterator[Document]:
+def read_corpus(paths: Iterable[str | Path], stats: CorpusStats | None = None, fields: Fields | None = None
+                ) -> Iterator[Document]:
     """Yield the documents of all corpus paths in a stable order, counting bad records in ``stats``."""
     stats = stats if stats is not None else CorpusStats()
-    for unit in plan_units(paths, unit_bytes=1 << 62):  # one unit per file (or text folder)
+    for unit in plan_units(paths, unit_bytes=1 << 62, fields=fields):  # one unit per file (or text folder)
         yield from read_unit(unit, stats)
 
 
@@ -380,5 +536,5 @@ def is_validation(doc_id: str, fraction: float) -> bool:
     return int.from_bytes(digest, "big") / 2**64 < fraction
 
 
-__all__ = ["CorpusStats", "Document", "WorkUnit", "corpus_files", "fingerprint", "is_validation", "plan_units",
+__all__ = ["CorpusStats", "Document", "Fields", "WorkUnit", "corpus_files", "fingerprint", "is_validation", "plan_units",
            "read_corpus", "read_unit"]

@@ -81,3 +81,66 @@ def test_fingerprint_and_split_are_stable(tmp_path):
     assert fingerprint([f]) != a
     share = sum(is_validation(str(i), 0.1) for i in range(10000)) / 10000
     assert 0.08 < share < 0.12
+
+
+def test_fields_reach_nested_records_in_every_columnar_and_line_format(tmp_path):
+    from prism_tda.corpus import Fields
+
+    recs = [{"content": "first text", "meta": {"doc": "m1", "lang": "en"}},
+            {"content": "second text", "meta": {"doc": "m2"}},
+            {"content": "no id here", "meta": {"lang": "fr"}},
+            {"meta": {"doc": "m4"}}]
+    fields = Fields(text="content", id="meta.doc")
+    (tmp_path / "j").mkdir()
+    (tmp_path / "j" / "c.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
+    (tmp_path / "p").mkdir()
+    pq.write_table(pa.Table.from_pylist(recs), tmp_path / "p" / "train-00000-of-00001.parquet")
+    (tmp_path / "a").mkdir()
+    with pa.OSFile(str(tmp_path / "a" / "c.arrow"), "wb") as sink, \
+            pa.ipc.new_file(sink, pa.Table.from_pylist(recs).schema) as w:  # the random-access format
+        w.write_table(pa.Table.from_pylist(recs))
+    for kind in ("j", "p", "a"):
+        stats = CorpusStats()
+        docs = list(read_corpus([tmp_path / kind], stats, fields))
+        assert [(d.doc_id, d.text) for d in docs] == [("m1", "first text"), ("m2", "second text")], kind
+        assert dict(stats.bad) == {"missing_id": 1, "missing_text": 1}, kind
+        assert sorted((e["row"], e["reason"]) for e in stats.examples) == [(2, "missing_id"), (3, "missing_text")]
+    stats = CorpusStats()
+    assert list(read_corpus([tmp_path / "p"], stats)) == []  # no `text` column without --text-field
+    assert dict(stats.bad) == {"missing_text_column": 1} and "content" in stats.examples[0]["detail"]
+    with pytest.raises(CorpusError, match="dotted path"):
+        Fields(text="meta.")
+
+
+def test_datasets_save_to_disk_folder_is_read_through_a_memory_map_in_batch_units(tmp_path):
+    datasets = pytest.importorskip("datasets")
+    from prism_tda.corpus import Fields, plan_units, read_unit
+
+    n = 300
+    ds = datasets.Dataset.from_dict({"body": [f"document number {i} " * 20 for i in range(n)],
+                                     "info": [{"key": f"k{i}"} for i in range(n)]})
+    ds.save_to_disk(str(tmp_path / "ds"), max_shard_size="20KB")  # several .arrow files
+    assert len(list((tmp_path / "ds").glob("*.arrow"))) > 1
+    fields = Fields(text="body", id="info.key")
+    stats = CorpusStats()
+    docs = list(read_corpus([tmp_path / "ds"], stats, fields))
+    assert [d.doc_id for d in docs] == [f"k{i}" for i in range(n)] and stats.n_bad == 0
+    assert docs[7].text == ds[7]["body"]
+    units = plan_units([tmp_path / "ds"], 4_000, fields=fields)
+    assert {u.kind for u in units} == {"arrow"}
+    assert [d.doc_id for u in units for d in read_unit(u, CorpusStats())] == [f"k{i}" for i in range(n)]
+    # a stream file of many record batches (the format `datasets` writes) is cut between batches
+    table = pa.Table.from_pylist([{"text": f"row {i} " * 30, "id": str(i)} for i in range(n)])
+    with pa.OSFile(str(tmp_path / "s.arrow"), "wb") as sink, pa.ipc.new_stream(sink, table.schema) as w:
+        for b in table.to_batches(max_chunksize=25):
+            w.write_batch(b)
+    units = plan_units([tmp_path / "s.arrow"], 4_000)
+    assert len(units) > 3 and all(u.stop - u.start < 12 for u in units)
+    stats = CorpusStats()
+    assert [d.doc_id for u in units for d in read_unit(u, stats)] == [str(i) for i in range(n)]
+    assert stats.n_documents == n and stats.n_bad == 0
+    # a DatasetDict: one split must be chosen
+    datasets.DatasetDict({"train": ds, "test": ds.select(range(3))}).save_to_disk(str(tmp_path / "dd"))
+    with pytest.raises(CorpusError, match=r"DatasetDict with splits \['test', 'train'\]"):
+        list(read_corpus([tmp_path / "dd"]))
+    assert len(list(read_corpus([tmp_path / "dd" / "test"], None, fields))) == 3

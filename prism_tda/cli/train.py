@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import sys
 from collections.abc import Collection
 from pathlib import Path
 from typing import Any
@@ -82,13 +83,29 @@ def build_configs(preset: str, config_file: str | None, sets: list[str], head: s
             TrainConfig.from_dict(merged["train"], where="train config"))
 
 
+def corpus_fields(args: argparse.Namespace):
+    """The --text-field / --id-field options as ``Fields`` (None when neither is given)."""
+    from prism_tda.corpus import Fields
+
+    if args.text_field is None and args.id_field is None:
+        return None
+    return Fields(args.text_field or "text", args.id_field)
+
+
+def add_field_options(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--text-field", help="the records' text field (default: text); a dotted path reaches into "
+                                        "nested records, e.g. content.body")
+    p.add_argument("--id-field", help="the records' id field, e.g. meta.id (default: id, else doc_id, else the "
+                                      "file and row)")
+
+
 def cmd_train(args: argparse.Namespace) -> int:
     from prism_tda.model.train import Trainer
 
     model_cfg, train_cfg = build_configs(args.preset, args.config, args.set, args.head)
     corpus = args.corpus or [demo_corpus_path()]
     trainer = Trainer(model_cfg, train_cfg, corpus, args.out, tokenizer_path=args.tokenizer,
-                      progress=not args.no_progress, resume=not args.no_resume).setup()
+                      progress=not args.no_progress, resume=not args.no_resume, fields=corpus_fields(args)).setup()
     try:
         path = trainer.fit()
     finally:
@@ -122,7 +139,10 @@ def cmd_index(args: argparse.Namespace) -> int:
 
     overrides = merge_overrides({"index": {}}, args.config, args.set, also_ok={"model", "train"})["index"]
     cfg = IndexConfig.from_dict(overrides, where="index config")
-    ix = Indexer(args.checkpoint, args.corpus or [demo_corpus_path()], args.out, cfg, progress=not args.no_progress)
+    ix = Indexer(args.checkpoint, args.corpus, args.out, cfg, progress=not args.no_progress,
+                 fields=corpus_fields(args))
+    if args.corpus is None:
+        print(f"indexing {', '.join(ix.corpus)}: the corpus the checkpoint was trained on", file=sys.stderr)
     if args.dry_run:
         est = estimate(ix)
         print(json.dumps(est, indent=2) if args.json else format_estimate(est))
@@ -136,8 +156,9 @@ def cmd_index(args: argparse.Namespace) -> int:
 def register(sub: Any) -> None:
     t = sub.add_parser("train", help="train a PRISM model (or the dense baseline)",
                        description="Train a PRISM model. Run under `torchrun --nproc_per_node N` for DDP.")
-    t.add_argument("--corpus", nargs="+", help="JSONL(.gz), Parquet (text column) or folders of .txt "
-                                               "(default: the bundled demo corpus)")
+    t.add_argument("--corpus", nargs="+", help="JSONL(.gz), Parquet, Arrow (a datasets save_to_disk folder) or "
+                                               "folders of .txt (default: the bundled demo corpus)")
+    add_field_options(t)
     t.add_argument("--out", required=True, help="run directory (resumed when it has a checkpoint)")
     t.add_argument("--preset", default="tiny", help=f"starting config: {', '.join(PRESETS)}")
     t.add_argument("--config", help="JSON file with 'model' and 'train' sections overriding the preset")
@@ -166,7 +187,10 @@ def register(sub: Any) -> None:
                                     "lists, documents, a FAISS part per shard). Re-running resumes a "
                                     "partial index; --append adds documents as new shards.")
     ix.add_argument("--checkpoint", required=True, help="checkpoint or run directory")
-    ix.add_argument("--corpus", nargs="+", help="JSONL(.gz), Parquet or .txt folders (default: the demo corpus)")
+    ix.add_argument("--corpus", nargs="+", help="JSONL(.gz), Parquet, Arrow (a datasets save_to_disk folder) or "
+                                                "folders of .txt (default: the corpus the checkpoint was trained "
+                                                "on, from its training record)")
+    add_field_options(ix)
     ix.add_argument("--out", required=True, help="index directory")
     ix.add_argument("--config", help="JSON file with an 'index' section")
     ix.add_argument("--set", action="append", default=[], metavar="index.NAME=VALUE",

@@ -33,7 +33,7 @@ def peak_rss_bytes() -> int:
 def estimate(ix, units: list[WorkUnit] | None = None) -> dict[str, Any]:
     """Estimate for Indexer ``ix`` (see :class:`.run.Indexer`); writes nothing to ``ix.out``."""
     mc, cfg = ix.model.cfg, ix.cfg
-    units = units if units is not None else plan_units(ix.corpus, cfg.shard_bytes)
+    units = units if units is not None else plan_units(ix.corpus, cfg.shard_bytes, fields=ix.fields)
     corpus_bytes = sum(u.bytes for u in units)
     with tempfile.TemporaryDirectory() as tmp_name:
         tmp = Path(tmp_name)

@@ -28,7 +28,8 @@ import torch
 from safetensors.torch import load_file, save
 from tqdm.auto import tqdm
 
-from prism_tda.corpus import CorpusStats, WorkUnit, fingerprint, plan_units
+from prism_tda import demo_corpus_path
+from prism_tda.corpus import CorpusStats, Fields, WorkUnit, fingerprint, plan_units
 from prism_tda.engine import layout
 from prism_tda.engine.calibration import IndexCalibration
 from prism_tda.engine.curvature import CurvatureStats, finalize
@@ -37,6 +38,7 @@ from prism_tda.errors import PrismError
 from prism_tda.model import checkpoint as ckpt
 from prism_tda.model.device import autocast_for, pick_device
 from prism_tda.model.metrics import usage_stats
+from prism_tda.model.record import TrainingRecord
 
 from .calibrate import calibrate
 from .estimate import compare, estimate, peak_rss_bytes
@@ -59,21 +61,56 @@ def _versions() -> dict[str, str]:
     return out
 
 
-def identity(ck_config: dict, corpus: list[str], cfg: IndexConfig) -> dict[str, Any]:
-    return {
+def identity(ck_config: dict, corpus: list[str], cfg: IndexConfig, fields: Fields | None = None) -> dict[str, Any]:
+    out = {
         "checkpoint_sha256": ck_config["files"]["model.safetensors"],
         "tokenizer_sha256": ck_config["files"]["tokenizer.json"],
         "corpus_fingerprint": fingerprint(corpus),
         "block_size": ck_config["model"]["block_size"],
         **{f"index.{k}": getattr(cfg, k) for k in IDENTITY_FIELDS},
     }
+    if fields is not None and not fields.is_default:  # absent for the default: older indexes still match
+        out["corpus_fields"] = fields.to_dict()
+    return out
+
+
+def training_corpus(record: TrainingRecord | None) -> tuple[list[str], Fields] | None:
+    """The corpus files (and their fields) a checkpoint's training record says the run read; None when
+    the checkpoint has no record of them."""
+    if record is None or not record.corpus.get("corpus_files"):
+        return None
+    f = record.corpus.get("corpus_fields") or {}
+    return list(record.corpus["corpus_files"]), Fields(f.get("text_field", "text"), f.get("id_field"))
 
 
 class Indexer:
-    def __init__(self, checkpoint: str | Path, corpus: list[str], out: str | Path, cfg: IndexConfig | None = None,
-                 *, progress: bool = True) -> None:
+    """Indexes ``corpus`` (default: the corpus the checkpoint's training record names; the bundled demo
+    corpus for a checkpoint without a record) with a PRISM checkpoint into ``out``."""
+
+    def __init__(self, checkpoint: str | Path, corpus: list[str] | None, out: str | Path,
+                 cfg: IndexConfig | None = None, *, progress: bool = True, fields: Fields | None = None) -> None:
         self.ck_path = ckpt.resolve(checkpoint).absolute()
+        self.record = ckpt.load_record(self.ck_path)
+        trained_on = training_corpus(self.record)
+        if corpus is None:
+            if trained_on is None:
+                corpus = [str(demo_corpus_path())]
+                log.warning("the checkpoint records no training corpus: indexing the bundled demo corpus",
+                            extra={"checkpoint": str(self.ck_path)})
+            else:
+                corpus, fields = trained_on[0], fields or trained_on[1]
+                missing = [c for c in corpus if not Path(c).exists()]
+                if missing:
+                    raise PrismError(f"{self.ck_path}: the corpus it was trained on is not here ({missing}); "
+                                     "pass --corpus")
         self.corpus = [str(Path(c).absolute()) for c in corpus]
+        self.fields = fields or Fields()
+        if trained_on is not None and self.record is not None:
+            fp = fingerprint(self.corpus)
+            if fp != self.record.corpus.get("corpus_fingerprint"):
+                log.warning("this corpus is not the one the checkpoint was trained on: documents outside its "
+                            "training record are indexed as untrained",
+                            extra={"corpus": self.corpus, "trained_on": trained_on[0]})
         self.out = Path(out)
         self.cfg = cfg or IndexConfig()
         self.progress = progress
@@ -84,14 +121,13 @@ class Indexer:
         self.autocast = autocast_for(self.device, self.cfg.dtype)
         train = self.ck_config.get("training", {}).get("train_config") or {}
         self.val_fraction: float | None = train.get("val_fraction")
-        self.record = ckpt.load_record(self.ck_path)
         if self.record is None:
             log.warning("the checkpoint has no training record (it predates them): whether a document was "
                         "trained on is inferred from its validation split", extra={"checkpoint": str(self.ck_path)})
 
     # ------------------------------------------------------------------------------ manifest
     def _open_manifest(self, *, append: bool = False) -> IndexManifest:
-        ident = identity(self.ck_config, self.corpus, self.cfg)
+        ident = identity(self.ck_config, self.corpus, self.cfg, self.fields)
         m = layout.read_manifest(self.out)
         if m is None:
             if append:
@@ -216,7 +252,7 @@ class Indexer:
         m = self._open_manifest(append=append)
         if append:
             known = {(u.file, u.start, u.stop, tuple(u.files or ())) for u in m.units}
-            new = [u for u in plan_units(self.corpus, self.cfg.shard_bytes, first=len(m.units))
+            new = [u for u in plan_units(self.corpus, self.cfg.shard_bytes, first=len(m.units), fields=self.fields)
                    if (u.file, u.start, u.stop, tuple(u.files or ())) not in known]
             for i, u in enumerate(new):
                 u.unit = len(m.units) + i
@@ -236,7 +272,7 @@ class Indexer:
             log.info("removed temporary files of an interrupted run", extra={"files": removed})
         if not m.units:
             t0 = time.perf_counter()
-            m.units = plan_units(self.corpus, self.cfg.shard_bytes)
+            m.units = plan_units(self.corpus, self.cfg.shard_bytes, fields=self.fields)
             if not m.units:
                 raise PrismError(f"{self.corpus}: no corpus file to index")
             m.timings["plan_s"] = round(time.perf_counter() - t0, 3)
@@ -309,10 +345,11 @@ class Indexer:
         }
 
 
-def build_index(checkpoint: str | Path, corpus: list[str], out: str | Path, cfg: IndexConfig | None = None, *,
-                workers: int | None = None, ray_address: str | None = None, progress: bool = True,
-                append: bool = False) -> dict[str, Any]:
-    """Index ``corpus`` with the PRISM model at ``checkpoint`` into ``out``; resumes a partial index;
-    with ``append``, adds ``corpus`` to the existing index ``out`` as new shards."""
-    return Indexer(checkpoint, corpus, out, cfg, progress=progress).run(workers=workers, ray_address=ray_address,
-                                                                       append=append)
+def build_index(checkpoint: str | Path, corpus: list[str] | None, out: str | Path, cfg: IndexConfig | None = None,
+                *, workers: int | None = None, ray_address: str | None = None, progress: bool = True,
+                append: bool = False, fields: Fields | None = None) -> dict[str, Any]:
+    """Index ``corpus`` (None: the one the checkpoint was trained on) with the PRISM model at ``checkpoint``
+    into ``out``; resumes a partial index; with ``append``, adds ``corpus`` to the existing index ``out``
+    as new shards."""
+    return Indexer(checkpoint, corpus, out, cfg, progress=progress, fields=fields).run(
+        workers=workers, ray_address=ray_address, append=append)

@@ -216,4 +216,4 @@ def load_record(path: str | Path) -> TrainingRecord | None:
     path = resolve(path)
     config = read_config(path)
     return TrainingRecord.load(path, {k: v for k, v in config.get("training_record", {}).items()
-                                      if k in ("corpus_fingerprint", "corpus_files")})
+                                      if k in ("corpus_fingerprint", "corpus_files", "corpus_fields")})

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import logging
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -17,7 +18,7 @@ import torch
 from tokenizers import Tokenizer
 from tqdm.auto import tqdm
 
-from prism_tda.corpus import CorpusStats, Document, is_validation, read_corpus
+from prism_tda.corpus import CorpusStats, Document, Fields, is_validation, read_corpus
 
 from .record import document_key, window_starts
 from .tokenizer import eos_id
@@ -38,35 +39,51 @@ class TokenData:
         return int(self.train.shape[0])
 
 
-def split_documents(corpus: list[str], val_fraction: float) -> tuple[list[Document], list[Document], CorpusStats]:
+def split_documents(corpus: list[str], val_fraction: float, fields: Fields | None = None
+                    ) -> tuple[Iterator[tuple[bool, Document]], CorpusStats]:
+    """The corpus's documents in order, each with whether it is in the validation split (read lazily,
+    one at a time), and the reader's counts (complete once the iterator is exhausted)."""
     stats = CorpusStats()
-    train: list[Document] = []
-    val: list[Document] = []
-    for doc in read_corpus(corpus, stats):
-        (val if is_validation(doc.doc_id, val_fraction) else train).append(doc)
-    return train, val, stats
+    docs = ((is_validation(d.doc_id, val_fraction), d) for d in read_corpus(corpus, stats, fields))
+    return docs, stats
 
 
-def encode_stream(docs: list[Document], tokenizer: Tokenizer, *, desc: str = "tokenize",
-                  progress: bool = True) -> tuple[np.ndarray, np.ndarray]:
-    """Concatenate documents, each followed by ``<|endoftext|>``, into one int32 stream; (stream, where
-    each document begins)."""
-    eos = eos_id(tokenizer)
-    parts: list[np.ndarray] = []
-    chunk = 2048
-    with tqdm(total=len(docs), desc=desc, unit="doc", disable=not progress, leave=False) as bar:
-        for i in range(0, len(docs), chunk):
-            for enc in tokenizer.encode_batch([d.text for d in docs[i : i + chunk]]):
-                parts.append(np.asarray(enc.ids + [eos], dtype=np.int32))
-            bar.update(min(chunk, len(docs) - i))
-    starts = np.cumsum([0] + [len(x) for x in parts[:-1]]).astype(np.int64) if parts else np.zeros(0, np.int64)
-    return (np.concatenate(parts) if parts else np.zeros(0, dtype=np.int32)), starts
+class _Stream:
+    """Token ids of documents appended in chunks, each document followed by ``<|endoftext|>``."""
+
+    def __init__(self, tokenizer: Tokenizer) -> None:
+        self.tok, self.eos = tokenizer, eos_id(tokenizer)
+        self.parts: list[np.ndarray] = []
+        self.pending: list[str] = []
+        self.keys: list[int] = []
+        self.lengths: list[int] = []
+
+    def add(self, doc: Document) -> None:
+        self.pending.append(doc.text)
+        self.keys.append(document_key(doc.doc_id, doc.text))
+        if len(self.pending) >= 2048:
+            self.flush()
+
+    def flush(self) -> None:
+        for enc in self.tok.encode_batch(self.pending):
+            self.parts.append(np.asarray(enc.ids + [self.eos], dtype=np.int32))
+            self.lengths.append(len(enc.ids) + 1)
+        self.pending = []
+
+    def arrays(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(stream, document keys, where each document begins)."""
+        self.flush()
+        stream = np.concatenate(self.parts) if self.parts else np.zeros(0, dtype=np.int32)
+        starts = np.cumsum([0] + self.lengths[:-1]).astype(np.int64) if self.lengths else np.zeros(0, np.int64)
+        return stream, np.array(self.keys, dtype=np.int64), starts
 
 
 def load_or_build(
-    corpus: list[str], tokenizer: Tokenizer, val_fraction: float, cache_dir: Path, key: str, *, progress: bool = True
+    corpus: list[str], tokenizer: Tokenizer, val_fraction: float, cache_dir: Path, key: str, *, progress: bool = True,
+    fields: Fields | None = None,
 ) -> TokenData:
-    """Token streams for ``corpus``, cached under ``cache_dir`` by ``key`` (tokenizer + corpus hash)."""
+    """Token streams for ``corpus``, cached under ``cache_dir`` by ``key`` (tokenizer + corpus hash). The
+    corpus is read one document at a time and tokenised in chunks: its text is never all in memory."""
     cache_dir.mkdir(parents=True, exist_ok=True)
     meta_f = cache_dir / "tokens.json"
     names = ("train", "val", "doc_keys", "doc_start")
@@ -75,13 +92,16 @@ def load_or_build(
         if meta.get("key") == key and all((cache_dir / f"{n}.npy").is_file() for n in names):
             arrays = [np.load(cache_dir / f"{n}.npy", allow_pickle=False) for n in names]
             return TokenData(arrays[0], arrays[1], meta["stats"], arrays[2], arrays[3])
-    train_docs, val_docs, stats = split_documents(corpus, val_fraction)
-    if not train_docs or not val_docs:
-        raise ValueError(f"corpus {corpus} gave {len(train_docs)} training and {len(val_docs)} validation documents")
-    train, doc_start = encode_stream(train_docs, tokenizer, desc="tokenize train", progress=progress)
-    val, _ = encode_stream(val_docs, tokenizer, desc="tokenize val", progress=progress)
-    doc_keys = np.array([document_key(d.doc_id, d.text) for d in train_docs], dtype=np.int64)
-    s = stats.to_dict() | {"train_documents": len(train_docs), "val_documents": len(val_docs),
+    docs, stats = split_documents(corpus, val_fraction, fields)
+    streams = {False: _Stream(tokenizer), True: _Stream(tokenizer)}
+    for is_val, doc in tqdm(docs, desc="tokenize", unit="doc", disable=not progress, leave=False):
+        streams[is_val].add(doc)
+    train, doc_keys, doc_start = streams[False].arrays()
+    val, _, _ = streams[True].arrays()
+    n_train, n_val = len(doc_keys), len(streams[True].keys)
+    if not n_train or not n_val:
+        raise ValueError(f"corpus {corpus} gave {n_train} training and {n_val} validation documents")
+    s = stats.to_dict() | {"train_documents": n_train, "val_documents": n_val,
                            "train_tokens": int(train.size), "val_tokens": int(val.size)}
     for name, arr in (("train", train), ("val", val), ("doc_keys", doc_keys), ("doc_start", doc_start)):
         tmp = cache_dir / f"{name}.tmp.npy"

@@ -34,7 +34,7 @@ from tokenizers import Tokenizer
 from torch.nn.parallel import DistributedDataParallel as DDP
 from tqdm.auto import tqdm
 
-from prism_tda.corpus import fingerprint
+from prism_tda.corpus import Fields, fingerprint
 from prism_tda.errors import ConfigError
 
 from . import checkpoint as ckpt
@@ -69,9 +69,11 @@ class Trainer:
         tokenizer_path: str | Path | None = None,
         progress: bool = True,
         resume: bool = True,
+        fields: Fields | None = None,
     ) -> None:
         self.model_cfg, self.cfg = model_cfg, train_cfg
-        self.corpus = [str(c) for c in corpus]
+        self.corpus = [str(Path(c).absolute()) for c in corpus]
+        self.fields = fields or Fields()
         self.out = Path(out_dir)
         self.tokenizer_path = tokenizer_path
         self.progress = progress
@@ -115,24 +117,27 @@ class Trainer:
         self.model_cfg = cfg
 
         corpus_fp = fingerprint(self.corpus)
+        fields_key = "" if self.fields.is_default else json.dumps(self.fields.to_dict())
         key = hashlib.sha256(
-            (self.tokenizer.to_str() + corpus_fp + str(self.cfg.val_fraction) + "record-v1").encode()
+            (self.tokenizer.to_str() + corpus_fp + str(self.cfg.val_fraction) + "record-v1" + fields_key).encode()
         ).hexdigest()
         if self.is_main:
             self.data = load_or_build(self.corpus, self.tokenizer, self.cfg.val_fraction, self.out / "data", key,
-                                      progress=self.progress)
+                                      progress=self.progress, fields=self.fields)
         self._barrier()
         if not self.is_main:
             self.data = load_or_build(self.corpus, self.tokenizer, self.cfg.val_fraction, self.out / "data", key,
-                                      progress=False)
+                                      progress=False, fields=self.fields)
 
         torch.manual_seed(self.cfg.seed)
         self.model = PRISM(cfg).to(self.device)
         self.optimizer = self._optimizer()
         K = cfg.n_prototypes if cfg.head == "prism" else 0
         self.usage = torch.full((K,), 1.0 / max(K, 1), dtype=torch.float64)
-        self.record = TrainingRecord.empty(self.data.doc_keys, {"corpus_fingerprint": corpus_fp,
-                                                                "corpus_files": self.corpus})
+        corpus_info: dict[str, Any] = {"corpus_fingerprint": corpus_fp, "corpus_files": self.corpus}
+        if not self.fields.is_default:
+            corpus_info["corpus_fields"] = self.fields.to_dict()
+        self.record = TrainingRecord.empty(self.data.doc_keys, corpus_info)
         if resume_from is not None:
             self._load(resume_from)
         elif self.model.head is not None and self.cfg.proto_init == "data":
@@ -154,9 +159,9 @@ class Trainer:
             return load_tokenizer(self.tokenizer_path)
         path = self.out / "tokenizer.json"
         if self.is_main:
-            train_docs, _, _ = split_documents(self.corpus, self.cfg.val_fraction)
+            docs, _ = split_documents(self.corpus, self.cfg.val_fraction, self.fields)
             t0 = time.perf_counter()
-            tok = train_tokenizer((d.text for d in train_docs), self.model_cfg.vocab_size)
+            tok = train_tokenizer((d.text for is_val, d in docs if not is_val), self.model_cfg.vocab_size)
             tok.save(str(path))
             log.info("trained tokenizer", extra={"vocab_size": tok.get_vocab_size(), "seconds": round(time.perf_counter() - t0, 1)})
         self._barrier()
