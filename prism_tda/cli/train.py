@@ -137,6 +137,12 @@ def cmd_index(args: argparse.Namespace) -> int:
     from prism_tda.indexer.estimate import estimate, format_estimate
     from prism_tda.indexer.run import Indexer
 
+    if args.remove or args.takedown_report:
+        return takedown(args)
+    if not args.checkpoint:
+        from prism_tda.errors import ConfigError
+
+        raise ConfigError("prism index: --checkpoint is required (except with --remove or --takedown-report)")
     overrides = merge_overrides({"index": {}}, args.config, args.set, also_ok={"model", "train"})["index"]
     cfg = IndexConfig.from_dict(overrides, where="index config")
     ix = Indexer(args.checkpoint, args.corpus, args.out, cfg, progress=not args.no_progress,
@@ -151,6 +157,23 @@ def cmd_index(args: argparse.Namespace) -> int:
     print(json.dumps(summary, indent=2))
     return 0
 
+
+
+def takedown(args: argparse.Namespace) -> int:
+    """`prism index --out IDX --remove IDS|FILE` and `--takedown-report`."""
+    from dataclasses import asdict
+
+    from prism_tda.engine.takedown import read_ids, read_removals, remove_documents
+
+    if args.remove:
+        res = remove_documents(args.out, read_ids(args.remove), by="cli", reason=args.reason or "")
+        print(json.dumps({"removed": [asdict(r) for r in res.removed], "already_removed": res.already,
+                          "not_found": res.not_found}, indent=2))
+        return 0 if res.removed or res.already else 1
+    removals = read_removals(args.out)
+    print(json.dumps({"index": str(args.out), "removed_documents": len(removals),
+                      "removals": [asdict(r) for r in removals]}, indent=2))
+    return 0
 
 
 def register(sub: Any) -> None:
@@ -186,7 +209,7 @@ def register(sub: Any) -> None:
                                     "(per-token activations and compressed attribution vectors, posting "
                                     "lists, documents, a FAISS part per shard). Re-running resumes a "
                                     "partial index; --append adds documents as new shards.")
-    ix.add_argument("--checkpoint", required=True, help="checkpoint or run directory")
+    ix.add_argument("--checkpoint", help="checkpoint or run directory (required to build or append)")
     ix.add_argument("--corpus", nargs="+", help="JSONL(.gz), Parquet, Arrow (a datasets save_to_disk folder) or "
                                                 "folders of .txt (default: the corpus the checkpoint was trained "
                                                 "on, from its training record)")
@@ -201,6 +224,12 @@ def register(sub: Any) -> None:
     ix.add_argument("--append", action="store_true",
                     help="add the corpus's documents to the existing index --out as new shards (same model, "
                          "same calibration; the existing shards are left as they are)")
+    ix.add_argument("--remove", metavar="IDS|FILE",
+                    help="take documents down from the index --out: comma-separated corpus ids, or a file with one "
+                         "per line; a running server stops showing them at its next request")
+    ix.add_argument("--reason", help="with --remove: why (kept in the takedown report)")
+    ix.add_argument("--takedown-report", action="store_true",
+                    help="print what was taken down from the index --out: which documents, when, by whom, why")
     ix.add_argument("--dry-run", action="store_true",
                     help="print estimated disk, indexing memory and time, and serving memory; write nothing")
     ix.add_argument("--json", action="store_true", help="with --dry-run: print JSON")

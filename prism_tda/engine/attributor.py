@@ -224,7 +224,10 @@ class Attributor:
         tot = exhaustive(self.model, self.reader, [q], pre, sign=sign, match=opt.aggregation == "cosine_match",
                          progress=progress, on_batch=lambda _: check_stop(stop, "the exact attribution"))[0]
         self._exact_rate = self.reader.n_tokens / max(time.perf_counter() - t0, 1e-9)
-        keep = None if opt.include_untrained else self.reader.trained(np.arange(self.reader.n_docs))
+        all_docs = np.arange(self.reader.n_docs)
+        keep = None if opt.include_untrained else self.reader.trained(all_docs)
+        if self.reader.takedown.any():
+            keep = ~self.reader.removed(all_docs) & (True if keep is None else keep)
         top, per_doc, _ = tot.rank(opt.aggregation, sign, opt.n_documents, keep)
         ties = tot.tied_beyond(opt.aggregation, sign, opt.n_documents, keep)
         best_tok = tot.best_token(opt.aggregation)
@@ -308,6 +311,7 @@ class Attributor:
             bad = docs[(docs < 0) | (docs >= self.reader.n_docs)]
             if len(bad):
                 raise QueryError(f"{field}: document ids {bad[:10].tolist()} out of range [0, {self.reader.n_docs})")
+            docs = docs[~self.reader.removed(docs)]  # a document taken down informs nothing
             if not include_untrained:
                 docs = docs[self.reader.trained(docs)]
             if not len(docs):

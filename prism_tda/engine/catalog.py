@@ -26,6 +26,7 @@ class Catalog:
         on first use and kept)."""
         self.reader, self.model, self.tokenizer = reader, model, tokenizer
         self._labels: dict[int, str] | None = None
+        self._labels_sig: tuple[int, int, int] | None = None
         self._labels_lock = threading.Lock()
         t = pq.read_table(reader.dir / layout.PROTOTYPES,
                           columns=["proto_id", "n_tokens", "mass", "mean_act", "top_tokens", "label"])
@@ -35,16 +36,18 @@ class Catalog:
     def documents(self, doc_ids: list[int]) -> dict[int, dict[str, Any]]:
         out = {}
         for d in dict.fromkeys(doc_ids):
-            if 0 <= d < self.reader.n_docs:
+            if 0 <= d < self.reader.n_docs and not self.reader.removed(np.array([d]))[0]:
                 rec = self.reader.document(d)
                 out[d] = {k: rec[k] for k in ("doc_id", "external_id", "source", "title", "url", "text", "n_tokens")}
         return out
 
     def labels(self) -> dict[int, str]:
         """Each prototype's label: the stored one, else a few words from its contexts and signature."""
-        if self._labels is None:
+        sig = self.reader.takedown.signature()  # contexts of removed documents never name a prototype
+        if self._labels is None or sig != self._labels_sig:
             with self._labels_lock:
-                if self._labels is None:
+                if self._labels is None or sig != self._labels_sig:
+                    self._labels_sig = sig
                     made: dict[int, str] = {}
                     if self.model is not None and self.tokenizer is not None:
                         from prism_tda.engine.steering import prototype_labels

@@ -419,6 +419,8 @@ class IndexReader(IndexWide):
         for s, sh in self.held_shards():
             local = sh.proto_top[proto]
             local = local[local >= 0]
+            if len(local) and self.takedown.any():
+                local = local[~self.removed(self.doc_of_seqs(self.seq_of_tokens(self.tok_base[s] + local)))]
             if len(local):
                 slot = (sh.protos[local] == proto).argmax(1)
                 acts.append(self.act_table[proto, sh.acts[local, slot]])

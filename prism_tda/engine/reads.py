@@ -27,6 +27,7 @@ from . import layout
 from .calibration import IndexCalibration
 from .layout import IndexConfig, IndexManifest
 from .sketch import Sketch, normalise
+from .takedown import RemovedSet
 
 
 def read_complete_manifest(index_dir: Path) -> IndexManifest:
@@ -65,7 +66,12 @@ class IndexWide:
         self.shard_of_unit = np.zeros(max((s.unit for s in self.manifest.shards), default=0) + 1, dtype=np.int64)
         self.shard_of_unit[[s.unit for s in self.manifest.shards]] = np.arange(len(self.manifest.shards))
         self.k = int(self.manifest.model.get("n_active", self.manifest.model.get("top_k", 8)))
+        self.takedown = RemovedSet(self.dir, self.shard_of_unit, self.doc_base, (s.unit for s in self.manifest.shards))
         self.load_seconds = time.perf_counter() - t0
+
+    def removed(self, docs: np.ndarray) -> np.ndarray:
+        """Whether each of the global document ids ``docs`` was taken down (``engine/takedown.py``)."""
+        return self.takedown.removed(docs)
 
     @property
     def n_prototypes(self) -> int:
@@ -145,6 +151,12 @@ class Reads(Protocol):
 
     def trained(self, docs: np.ndarray) -> np.ndarray:
         """Whether the checkpoint trained on each of the global document ids ``docs``."""
+        ...
+
+    takedown: RemovedSet
+
+    def removed(self, docs: np.ndarray) -> np.ndarray:
+        """Whether each of the global document ids ``docs`` was taken down."""
         ...
 
     def seq_span(self, seq: int) -> tuple[int, int, int]:

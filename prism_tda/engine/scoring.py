@@ -342,6 +342,13 @@ def still_open(reader: Reads, exact: TokenScores, short: Shortlist, done: np.nda
     return rest[sign * short.score[rest] >= nth - margin]
 
 
+def not_removed(reader: Reads, seqs: np.ndarray) -> np.ndarray:
+    """The sequences of ``seqs`` whose documents were not taken down."""
+    if not len(seqs) or not reader.takedown.any():
+        return seqs
+    return seqs[~reader.removed(reader.doc_of_seqs(seqs))]
+
+
 def trained_only(reader: Reads, seqs: np.ndarray) -> np.ndarray:
     """The sequences of ``seqs`` whose documents the checkpoint trained on."""
     return seqs[reader.trained(reader.doc_of_seqs(seqs))] if len(seqs) else seqs

@@ -32,7 +32,7 @@ from .arrays import unique
 from .candidates import PostingPlan, best_posting_tokens
 from .query import Targets
 from .reader import IndexReader
-from .scoring import Preconditioner, approx_scores, ranked_documents, trained_only
+from .scoring import Preconditioner, approx_scores, not_removed, ranked_documents, trained_only
 from .steering import PrototypeMass, mass_of_tokens, token_weights
 from .types import Aggregation
 
@@ -188,6 +188,7 @@ class ShardWorker:
         seqs = unique(np.asarray(seqs, np.int64))
         if not include_untrained:
             seqs = trained_only(reader, seqs)
+        seqs = not_removed(reader, seqs)
         approx = approx_scores(reader, G, pre, reader.rows_of_sequences(seqs), match=match)
         sign = -1.0 if opponents else 1.0
         best, score, tie = ranked_documents(reader, approx, aggregation, sign=sign, n=n)

@@ -21,6 +21,7 @@ from __future__ import annotations
 import decimal
 import json
 import math
+import os
 import struct
 import sys
 import threading
@@ -66,6 +67,16 @@ def _arrow_tokens(shard: Path) -> pa.Table:
                      "acts": pa.FixedSizeListArray.from_arrays(pa.array(acts.reshape(-1)), k)})
 
 
+def removed_table(index_dir: Path, manifest: Any) -> pa.Table:
+    """The global ids of the index's documents taken down, as a one-column table."""
+    from prism_tda.engine.takedown import read_removals
+
+    base = {sh.unit: b for sh, b in zip(manifest.shards, np.cumsum([0] + [sh.n_docs for sh in manifest.shards]),
+                                        strict=False)}
+    ids = [int(base[r.unit]) + r.local for r in read_removals(index_dir) if r.unit in base]
+    return pa.table({"doc_id": pa.array(ids, pa.int64())})
+
+
 def open_locked(index_dir: Path, *, memory_limit: str, threads: int) -> duckdb.DuckDBPyConnection:
     """An in-memory DuckDB database whose only tables are the index's, locked down (see module doc).
 
@@ -104,18 +115,24 @@ def open_locked(index_dir: Path, *, memory_limit: str, threads: int) -> duckdb.D
     def union(parts: list[str], columns: str) -> str:  # an index without shards: empty, typed tables
         return " UNION ALL ".join(parts) or f"SELECT {columns} WHERE false"
 
+    # documents taken down (engine/takedown.py): `_removed` is registered again before every statement
+    con.register("_removed", removed_table(index_dir, m))
+
+    def kept(view: str) -> str:
+        return f"SELECT * FROM ({view}) WHERE doc_id NOT IN (SELECT doc_id FROM _removed)"
+
     con.execute(f"CREATE VIEW prototypes AS SELECT * FROM read_parquet({_quote(str(index_dir / layout.PROTOTYPES))})")
     con.execute(f"CREATE VIEW vocab AS SELECT * FROM read_parquet({_quote(str(index_dir / layout.VOCAB))})")
-    con.execute("CREATE VIEW documents AS " + union(docs, "0::BIGINT AS doc_id, ''::VARCHAR AS external_id, "
+    con.execute("CREATE VIEW documents AS " + kept(union(docs, "0::BIGINT AS doc_id, ''::VARCHAR AS external_id, "
                 "''::VARCHAR AS source, ''::VARCHAR AS title, ''::VARCHAR AS url, ''::VARCHAR AS text, "
-                "0::INTEGER AS n_tokens, true AS trained"))
-    con.execute("CREATE VIEW sequences AS " + union(seqs, "0::BIGINT AS seq_id, 0::BIGINT AS doc_id, "
-                "0::INTEGER AS start_token, 0::SMALLINT AS n_tokens"))
-    con.execute("CREATE VIEW tokens AS " + union(toks, "0::BIGINT AS seq_id, 0::BIGINT AS pos, "
-                "0::INTEGER AS token_id, 0::BIGINT AS doc_id"))
+                "0::INTEGER AS n_tokens, true AS trained")))
+    con.execute("CREATE VIEW sequences AS " + kept(union(seqs, "0::BIGINT AS seq_id, 0::BIGINT AS doc_id, "
+                "0::INTEGER AS start_token, 0::SMALLINT AS n_tokens")))
+    con.execute("CREATE VIEW tokens AS " + kept(union(toks, "0::BIGINT AS seq_id, 0::BIGINT AS pos, "
+                "0::INTEGER AS token_id, 0::BIGINT AS doc_id")))
     con.execute("CREATE VIEW activations AS SELECT a.seq_id, a.pos, a.token_id, a.proto_id, "
                 "exp(p.act_lo + (a.q - 1) / 254.0 * (p.act_hi - p.act_lo))::FLOAT AS act, a.doc_id "
-                f"FROM ({union(acts, '0::BIGINT AS seq_id, 0::BIGINT AS pos, 0::INTEGER AS token_id, 0::INTEGER AS proto_id, 0::UTINYINT AS q, 0::BIGINT AS doc_id')}) a "
+                f"FROM ({kept(union(acts, '0::BIGINT AS seq_id, 0::BIGINT AS pos, 0::INTEGER AS token_id, 0::INTEGER AS proto_id, 0::UTINYINT AS q, 0::BIGINT AS doc_id'))}) a "
                 "JOIN prototypes p USING (proto_id) WHERE a.q > 0")
     con.execute("CREATE VIEW shards AS SELECT * FROM (VALUES " + (", ".join(bases) or "(0, 0, 0, 0, 0, 0, 0, 0)")
                 + ") v(shard, unit, n_docs, n_seqs, n_tokens, doc_base, seq_base, token_base)"
@@ -166,8 +183,39 @@ class Engine:
     """Runs user statements on a locked connection, bounded in time, rows and result bytes."""
 
     def __init__(self, con: duckdb.DuckDBPyConnection, *, timeout_s: float, max_rows: int,
-                 max_result_bytes: int) -> None:
+                 max_result_bytes: int, index_dir: Path | None = None) -> None:
+        """``index_dir``: read its takedown record again whenever it changes (the documents taken down
+        leave every view at the next statement)."""
         self.con, self.timeout_s, self.max_rows, self.max_result_bytes = con, timeout_s, max_rows, max_result_bytes
+        self.index_dir = index_dir
+        self._takedown_sig: object = "unread"  # read at the first statement
+        self._removed: pa.Table | None = None
+
+    def _signature(self) -> tuple[int, int] | None:
+        from prism_tda.engine.takedown import TAKEDOWN
+
+        if self.index_dir is None:
+            return None
+        try:
+            st = os.stat(self.index_dir / TAKEDOWN)
+        except FileNotFoundError:
+            return None
+        return st.st_mtime_ns, st.st_ino
+
+    def _refresh_removed(self) -> None:
+        sig = self._signature()
+        if sig != self._takedown_sig and self.index_dir is not None:
+            from prism_tda.engine import layout
+
+            self._removed = removed_table(self.index_dir, layout.read_manifest(self.index_dir))
+            self.con.register("_removed", self._removed)
+            self._takedown_sig = sig
+
+    def removed_ids(self) -> np.ndarray:
+        """The global ids of the documents taken down (as of the last statement)."""
+        self._refresh_removed()
+        t = self._removed
+        return np.zeros(0, np.int64) if t is None else t.column("doc_id").to_numpy()
 
     def run(self, sql: str, audit_results: Callable[[], pa.Table] | None = None,
             prototype_sets: Callable[[], pa.Table] | None = None,
@@ -176,6 +224,7 @@ class Engine:
         tables (``audit_results``, ``prototype_sets``) are read when the statement names them;
         ``params``: the values of the statement's ``$1``, ``$2``, ... (never spliced into its text)."""
         query = check_statement(sql)
+        self._refresh_removed()
         t0 = time.perf_counter()
         # the connection itself (one statement at a time per worker): the shards' Arrow tables are
         # registered on it, and a cursor would not see them
@@ -262,7 +311,7 @@ def read_frames(inp: BinaryIO) -> Iterator[bytes]:
 def main(argv: list[str] | None = None) -> int:
     """A worker process: one locked engine over one index, requests on stdin, answers on stdout."""
     cfg = json.loads((argv or sys.argv[1:])[0])
-    from prism_tda.service.state import read_audit_results, read_prototype_sets
+    from prism_tda.service.state import mark_removed, read_audit_results, read_prototype_sets
 
     try:
         con = open_locked(Path(cfg["index_dir"]), memory_limit=cfg["duckdb_memory_limit"], threads=cfg["threads"])
@@ -270,7 +319,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"SQL worker: {e}", file=sys.stderr)
         return 2
     engine = Engine(con, timeout_s=cfg["timeout_s"], max_rows=cfg["max_rows"],
-                    max_result_bytes=cfg["max_result_bytes"])
+                    max_result_bytes=cfg["max_result_bytes"], index_dir=Path(cfg["index_dir"]))
     out, inp = sys.stdout.buffer, sys.stdin.buffer
     write_frame(out, json.dumps({"ready": True}).encode())
     for frame in read_frames(inp):
@@ -279,8 +328,9 @@ def main(argv: list[str] | None = None) -> int:
         source = sets = None
         if audit is not None and cfg.get("state_path"):
             def source(a: dict[str, Any] = audit) -> pa.Table:
-                return read_audit_results(Path(cfg["state_path"]), index_name=a["index_name"],
-                                          principal=a.get("principal"))
+                table = read_audit_results(Path(cfg["state_path"]), index_name=a["index_name"],
+                                           principal=a.get("principal"))
+                return mark_removed(table, engine.removed_ids())
 
             def sets(a: dict[str, Any] = audit) -> pa.Table:
                 return read_prototype_sets(Path(cfg["state_path"]), index_name=a["index_name"],

@@ -21,6 +21,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pyarrow as pa
 
 SCHEMA = """
@@ -64,7 +65,16 @@ AUDIT_RESULTS_SCHEMA = pa.schema([
     ("doc_id", pa.int32()), ("score", pa.float64()), ("raw_influence", pa.float64()), ("seq_id", pa.int32()),
     ("trained", pa.bool_()), ("target_text", pa.string()), ("flagged", pa.bool_()), ("flagged_prototypes", pa.list_(pa.int32())),
     ("used_prototypes", pa.list_(pa.int32())),
+    ("removed", pa.bool_()),  # the cited document was taken down since (set by the reader of the table)
 ])
+
+
+def mark_removed(table: pa.Table, removed_ids: np.ndarray) -> pa.Table:
+    """``table`` (audit_results rows) with ``removed`` set where ``doc_id`` is in ``removed_ids``."""
+    import pyarrow.compute as pc
+
+    flag = pc.is_in(table.column("doc_id").cast(pa.int64()), value_set=pa.array(np.asarray(removed_ids, np.int64)))
+    return table.set_column(table.schema.get_field_index("removed"), "removed", flag)
 
 
 def request_hash(payload: dict[str, Any]) -> str:
@@ -375,6 +385,7 @@ def _audit_results(con: sqlite3.Connection, index_name: str | None, job_id: str 
         cols["flagged"].append(bool(flagged))
         cols["flagged_prototypes"].append(flagged)
         cols["used_prototypes"].append(json.loads(r["used_prototypes"] or "[]"))
+        cols["removed"].append(False)
     return pa.table(cols, schema=AUDIT_RESULTS_SCHEMA)
 
 

@@ -1,4 +1,5 @@
-"""Administration: replace a served index with a new version while the server keeps answering."""
+"""Administration: replace a served index with a new version while the server keeps answering; take
+documents down."""
 
 from __future__ import annotations
 
@@ -6,12 +7,15 @@ import os
 from typing import Annotated
 
 import anyio
-from fastapi import APIRouter, Path
+from fastapi import APIRouter, Depends, Path
 from pydantic import BaseModel, ConfigDict, Field
 
+from prism_tda.engine.takedown import remove_documents
+
 from .. import problems as p
-from ..deps import ServicesDep
+from ..deps import ServicesDep, get_admin
 from ..indexes import LoadedIndex
+from ..security import Principal
 
 router = APIRouter(prefix="/admin", tags=["admin"])
 
@@ -62,3 +66,66 @@ async def reload_index(name: Annotated[str, Path(max_length=200, description="Th
     return ReloadResponse(index=name, checkpoint_sha256=new.manifest.identity["checkpoint_sha256"],
                           previous=_version(old), current=_version(new), load_seconds=round(new.load_seconds, 3),
                           pid=os.getpid())
+
+
+class TakedownRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    external_ids: list[Annotated[str, Field(min_length=1, max_length=1000)]] = Field(
+        min_length=1, max_length=10_000, description="Corpus ids of the documents to take down (every document "
+                                                     "with one of these ids).")
+    reason: str = Field("", max_length=2000, description="Why (kept in the takedown report).")
+
+
+class Removal(BaseModel):
+    doc_id: int = Field(description="The document's global id when it was removed.")
+    external_id: str = Field(description="Its corpus id.")
+    unit: int = Field(description="The work unit of its shard.")
+    removed_at: str = Field(description="When (ISO 8601, UTC).")
+    by: str = Field(description="Who: `key:` and the first characters of the API key's hash, `local` without "
+                                "keys, or `cli`.")
+    reason: str = Field(description="Why.")
+
+
+class TakedownResponse(BaseModel):
+    index: str = Field(description="The index name.")
+    removed: list[Removal] = Field(description="The documents this request took down.")
+    already_removed: list[str] = Field(description="Ids whose documents were all taken down before.")
+    not_found: list[str] = Field(description="Ids no document of the index has.")
+
+
+class TakedownReport(BaseModel):
+    index: str = Field(description="The index name.")
+    removed_documents: int = Field(description="Documents taken down.")
+    removals: list[Removal] = Field(description="Every removal, oldest first.")
+
+
+def _removal(r) -> Removal:
+    return Removal(doc_id=r.doc, external_id=r.external_id, unit=r.unit, removed_at=r.removed_at, by=r.by,
+                   reason=r.reason)
+
+
+@router.post("/indexes/{name}/takedown", response_model=TakedownResponse,
+             responses=p.responses(p.UnknownIndex, p.BodyTooLarge))
+async def take_down(name: Annotated[str, Path(max_length=200, description="The served index.")],
+                    body: TakedownRequest, services: ServicesDep,
+                    principal: Annotated[Principal, Depends(get_admin)]) -> TakedownResponse:
+    """Take documents out of an index: from the next request on (on every server process serving
+    this index directory) they appear in no answer, audit, SQL result, document read, prototype
+    context or label; audits that cited one keep the citation, marked `removed`. The stored rows
+    stay on disk until `prism index --compact` rewrites their shards."""
+    ix = services.registry.get(name)
+    by = "local" if principal.id == "local" else f"key:{principal.id[:12]}"
+    res = await anyio.to_thread.run_sync(lambda: remove_documents(ix.dir, body.external_ids, by=by,
+                                                                  reason=body.reason))
+    return TakedownResponse(index=name, removed=[_removal(r) for r in res.removed], already_removed=res.already,
+                            not_found=res.not_found)
+
+
+@router.get("/indexes/{name}/takedown", response_model=TakedownReport, responses=p.responses(p.UnknownIndex))
+async def takedown_report(name: Annotated[str, Path(max_length=200, description="The served index.")],
+                          services: ServicesDep) -> TakedownReport:
+    """What was taken down from an index: which documents, when, by which key and why."""
+    ix = services.registry.get(name)
+    rs = ix.attributor.reader.takedown.removals()
+    return TakedownReport(index=name, removed_documents=len(rs), removals=[_removal(r) for r in rs])

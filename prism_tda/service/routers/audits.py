@@ -5,8 +5,10 @@ from __future__ import annotations
 import dataclasses
 import io
 import json
+from collections.abc import Callable
 from typing import Annotated, Any, Literal
 
+import numpy as np
 import pyarrow.parquet as pq
 from fastapi import APIRouter, Header, Path, Query, Response
 
@@ -16,7 +18,7 @@ from .. import problems as p
 from ..deps import PrincipalDep, Services, ServicesDep
 from ..schemas import AuditItemOut, AuditItems, AuditJob, AuditList, AuditRequest
 from ..security import Principal
-from ..state import request_hash
+from ..state import mark_removed, request_hash
 from .prototypes import find_set
 
 router = APIRouter(prefix="/audits", tags=["audits"])
@@ -30,12 +32,39 @@ def job_view(job: dict[str, Any]) -> AuditJob:
                     progress=(job["n_done"] + job["n_failed"]) / n if n else 1.0, params=job["params"])
 
 
-def item_view(it: dict[str, Any]) -> AuditItemOut:
+# what a citation of a document taken down keeps: that it was cited, where and how strongly
+CITATION_KEPT = ("doc_id", "external_id", "rank", "score", "raw_influence", "trained")
+
+
+def item_view(it: dict[str, Any], removed: Callable[[np.ndarray], np.ndarray] | None = None) -> AuditItemOut:
+    """``removed``: which global document ids were taken down; their citations keep only
+    ``CITATION_KEPT`` and say ``removed: true``."""
     flagged = it.get("flagged_prototypes") or []
+    docs = it.get("documents") or []
+    if removed is not None and docs:
+        gone = removed(np.array([int(d.get("doc_id", -1)) for d in docs], np.int64))
+        docs = [{**{k: d[k] for k in CITATION_KEPT if k in d}, "removed": True} if g else d
+                for d, g in zip(docs, gone, strict=True)]
     return AuditItemOut(item_no=it["item_no"], id=it["item_id"], status=it["status"], attempts=it["attempts"],
                         completions=it["completions"], error=it["error"], target_text=it["target_text"],
                         flagged=bool(flagged), flagged_prototypes=flagged,
-                        used_prototypes=it.get("used_prototypes") or [], documents=it.get("documents") or [])
+                        used_prototypes=it.get("used_prototypes") or [], documents=docs)
+
+
+def _removed_of(services: Services, job: dict[str, Any]) -> Callable[[np.ndarray], np.ndarray] | None:
+    """The taken-down test of the audit's index (None when the server no longer serves it)."""
+    try:
+        reader = services.registry.get(job["index_name"]).attributor.reader
+    except p.UnknownIndex:
+        return None
+
+    def removed(docs: np.ndarray) -> np.ndarray:
+        ok = (docs >= 0) & (docs < reader.n_docs)
+        out = np.zeros(len(docs), dtype=bool)
+        out[ok] = reader.removed(docs[ok])
+        return out
+
+    return removed
 
 
 async def _job(services: Services, audit_id: str, principal: Principal) -> dict[str, Any]:
@@ -131,7 +160,8 @@ async def list_audit_items(audit_id: AuditId, services: ServicesDep, principal: 
     """An audit's items: status, attempts, flags and top documents of each."""
     job = await _job(services, audit_id, principal)
     items = await services.io(services.state.items, audit_id, offset, limit)
-    return AuditItems(job=job_view(job), items=[item_view(i) for i in items])
+    removed = _removed_of(services, job)
+    return AuditItems(job=job_view(job), items=[item_view(i, removed) for i in items])
 
 
 @router.post("/{audit_id}/cancel", response_model=AuditJob, responses=p.responses(p.AuditNotFound, p.AuditFinished))
@@ -155,14 +185,18 @@ async def download_audit_results(audit_id: AuditId, services: ServicesDep, princ
                                  format: Annotated[Literal["jsonl", "parquet"], Query()] = "jsonl") -> Response:
     """Download an audit's results so far: JSONL, one line per item, or Parquet, one row per
     (item, rank) as in the `audit_results` SQL table."""
-    await _job(services, audit_id, principal)
+    job = await _job(services, audit_id, principal)
+    removed = _removed_of(services, job)
     if format == "parquet":
         table = await services.io(services.state.audit_results, job_id=audit_id)
+        if removed is not None:
+            cited = table.column("doc_id").to_numpy().astype(np.int64)
+            table = mark_removed(table, cited[removed(cited)])
         buf = io.BytesIO()
         pq.write_table(table, buf, compression="zstd")
         return Response(buf.getvalue(), media_type="application/vnd.apache.parquet",
                         headers={"Content-Disposition": f'attachment; filename="{audit_id}.parquet"'})
     items = await services.io(services.state.items, audit_id)
-    lines = "".join(json.dumps(item_view(i).model_dump()) + "\n" for i in items)
+    lines = "".join(json.dumps(item_view(i, removed).model_dump()) + "\n" for i in items)
     return Response(lines, media_type="application/x-ndjson",
                     headers={"Content-Disposition": f'attachment; filename="{audit_id}.jsonl"'})

@@ -5,6 +5,7 @@ from __future__ import annotations
 import re
 from typing import Annotated
 
+import numpy as np
 from fastapi import APIRouter, Path, Query
 
 from .. import problems as p
@@ -30,7 +31,7 @@ async def list_documents(ids: Annotated[str, Query(max_length=16_000, json_schem
                              "Comma-separated document ids (ASCII digits, at most 10 each; ids past the index's "
                              "documents are listed in `missing`). For longer lists, POST /v1/documents/batch."))],
                          services: ServicesDep, index: IndexQuery = None) -> DocumentBatch:
-    """Fetch several documents by id (`?ids=3,17,42`); unknown ids are listed in `missing`."""
+    """Fetch several documents by id (`?ids=3,17,42`); unknown and taken-down ids are listed in `missing`."""
     return await _batch(services, index, parse_ids(ids))
 
 
@@ -59,12 +60,16 @@ async def fetch_documents(body: DocumentBatchRequest, services: ServicesDep) -> 
     return await _batch(services, body.index, body.ids)
 
 
-@router.get("/{doc_id:not_batch}", response_model=Document, responses=p.responses(p.UnknownIndex, p.DocumentNotFound))
+@router.get("/{doc_id:not_batch}", response_model=Document,
+            responses=p.responses(p.UnknownIndex, p.DocumentNotFound, p.DocumentRemoved))
 async def get_document(doc_id: Annotated[int, Path(ge=0, le=2**31 - 1)], services: ServicesDep,
                        index: IndexQuery = None) -> Document:
-    """One training document: its corpus id, source, title/url when known, text and token count."""
+    """One training document: its corpus id, source, title/url when known, text and token count (410
+    `document-removed` for a document taken down)."""
     ix = services.registry.get(index)
     found = await services.run(ix, ix.catalog.documents, [doc_id])
     if doc_id not in found:
+        if doc_id < ix.n_documents and ix.attributor.reader.removed(np.array([doc_id]))[0]:
+            raise p.DocumentRemoved(f"document {doc_id} of index {ix.name!r} was taken down")
         raise p.DocumentNotFound(f"document {doc_id} does not exist in index {ix.name!r}")
     return Document(**found[doc_id])
