@@ -1,5 +1,6 @@
 """PRISM-TDA: training-data attribution for PRISM prototype language models."""
 
+import sys
 from importlib.resources import files
 
 __version__ = "0.1.0"
@@ -8,3 +9,14 @@ __version__ = "0.1.0"
 def demo_corpus_path() -> str:
     """Path of the bundled demo corpus (Debian's BSD fortune cookies, JSONL.gz)."""
     return str(files("prism_tda") / "data" / "fortunes.jsonl.gz")
+
+
+# A process that already uses transformers gets the "prism" Auto classes with this import (prism_tda.hf
+# registers them); otherwise importing prism_tda stays light and `import prism_tda.hf` registers them.
+if "transformers" in sys.modules:
+    try:
+        from . import hf  # noqa: F401
+    except ImportError as _e:  # a transformers too old or broken: the rest of the package still works
+        import warnings
+
+        warnings.warn(f"prism_tda.hf not registered with transformers: {_e}", stacklevel=2)

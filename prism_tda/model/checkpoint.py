@@ -6,7 +6,8 @@ rest through JSON. A directory is written under a temporary name and renamed int
 crash never leaves a half-written checkpoint behind a valid name.
 
 A *run directory* holds ``step_XXXXXXX/`` checkpoints and a ``latest`` file naming the newest
-complete one; every loader accepts either a checkpoint or a run directory.
+complete one; every loader accepts either a checkpoint or a run directory, or a Hugging Face model
+directory of a PRISM model (``config.json`` with ``model_type`` "prism", see ``model/hfdir.py``).
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from tokenizers import Tokenizer
 from prism_tda.errors import CheckpointError, ConfigError
 from prism_tda.fsutil import atomic_write_bytes, fsync_dir
 
+from . import hfdir
 from .config import ModelConfig
 from .model import PRISM
 from .record import RECORD, TrainingRecord
@@ -115,7 +117,8 @@ def save_checkpoint(
 
 
 def read_config(path: str | Path) -> dict[str, Any]:
-    """Parse and validate ``config.json`` of a checkpoint directory."""
+    """Parse and validate ``config.json`` of a checkpoint directory (that of a Hugging Face directory of
+    a PRISM model is translated into ours)."""
     f = Path(path) / CONFIG
     try:
         config = json.loads(f.read_text())
@@ -123,6 +126,8 @@ def read_config(path: str | Path) -> dict[str, Any]:
         raise CheckpointError(f"{f}: missing") from e
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise CheckpointError(f"{f}: not valid JSON ({e})") from e
+    if hfdir.is_hf_config(config):
+        return hfdir.checkpoint_config(Path(path), config, fmt=FORMAT, version=FORMAT_VERSION)
     if not isinstance(config, dict) or config.get("format") != FORMAT:
         raise CheckpointError(f"{f}: field 'format' must be {FORMAT!r}")
     if config.get("format_version") != FORMAT_VERSION:

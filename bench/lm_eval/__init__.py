@@ -1,0 +1,1 @@
+"""A local lm-eval task for exported PRISM models (docs/huggingface.md)."""
