@@ -15,14 +15,15 @@ import numpy as np
 import torch
 
 
-def finish(res: dict, script: str, argv: list[str] | None, out: str, hide: tuple[str, ...] = ()) -> dict:
+def finish(res: dict, script: str, argv: list[str] | None, out: str, hide: tuple[str, ...] = (), *,
+           command: str | None = None) -> dict:
     res.setdefault("machine", {}).update({
         "platform": platform.platform(), "torch": torch.__version__, "threads": torch.get_num_threads(),
         "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
         # other work on the machine skews timings: the 1/5/15-minute load averages at the end of the run
         "load_average": [round(x, 2) for x in os.getloadavg()], "cpus": os.cpu_count(),
     })
-    res["command"] = f"python bench/{script} " + " ".join(sys.argv[1:] if argv is None else argv)
+    res["command"] = command or f"python bench/{script} " + " ".join(sys.argv[1:] if argv is None else argv)
     res["date"] = dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")
     Path(out).parent.mkdir(parents=True, exist_ok=True)
     Path(out).write_text(json.dumps(res, indent=2))

@@ -17,6 +17,7 @@ Writes ``bench/results/index.json``.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gzip
 import json
 import shutil
@@ -61,20 +62,26 @@ def indexer_batches(index_dir: Path, batch_size: int, block: int) -> list[tuple[
 
 
 @torch.no_grad()
-def bare_forward_tokens_per_s(checkpoint: str, index_dir: Path, batches: list[tuple[np.ndarray, int]]) -> float:
+def bare_forward_tokens_per_s(checkpoint: str | Path, index_dir: Path, batches: list[tuple[np.ndarray, int]], *,
+                              device: torch.device | str = "cpu",
+                              autocast: contextlib.AbstractContextManager | None = None) -> float:
     """``model(x)`` (backbone and logits, no autograd) over the index's sequences in ``batches``
-    (sequence ids, padded width)."""
-    model, _, _ = ckpt.load_checkpoint(checkpoint)
+    (sequence ids, padded width), on ``device`` under ``autocast`` (the indexer's: bf16 on CUDA)."""
+    model, _, _ = ckpt.load_checkpoint(checkpoint, device=device)
     rows = index_sequences(index_dir)["token_ids"]
+    sync = torch.cuda.synchronize if torch.device(device).type == "cuda" else (lambda: None)
     n_tok = 0
+    sync()
     t0 = time.perf_counter()
     for seqs, width in batches:
         batch = [rows[i] for i in seqs]
         x = torch.zeros(len(batch), max(width, *(len(r) for r in batch)), dtype=torch.long)
         for i, r in enumerate(batch):
             x[i, : len(r)] = torch.as_tensor(r)
-        model(x)
+        with autocast or contextlib.nullcontext():
+            model(x.to(device))
         n_tok += sum(len(r) for r in batch)
+    sync()
     return n_tok / (time.perf_counter() - t0)
 
 

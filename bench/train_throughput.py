@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -27,6 +28,40 @@ from prism_tda.model.data import split_documents
 from prism_tda.model.metrics import evaluate
 from prism_tda.model.tokenizer import train_tokenizer
 from prism_tda.model.train import Trainer
+
+
+def interleaved_step_times(step_fns: dict[str, Callable[[int], object]], steps: int, *,
+                           progress: bool = True, deadline: float | None = None) -> dict[str, list[float]]:
+    """Seconds of each step of each model (``step_fns[name](step)`` runs one step), the models' steps
+    interleaved and alternating which goes first, the device synchronised around each step. With
+    ``deadline`` (a ``time.perf_counter()`` value), stops before a step that would start after it."""
+    times: dict[str, list[float]] = {name: [] for name in step_fns}
+    names = list(step_fns)
+    sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
+    for step in tqdm(range(steps), desc="interleaved steps", unit="step", disable=not progress):
+        if deadline is not None and time.perf_counter() > deadline:
+            break
+        for name in names if step % 2 == 0 else names[::-1]:
+            sync()
+            t0 = time.perf_counter()
+            step_fns[name](step)
+            sync()
+            times[name].append(time.perf_counter() - t0)
+    return times
+
+
+def step_time_summary(times: dict[str, list[float]], warmup: int, tokens_per_step: int) -> dict:
+    """Tokens/s and median step time of each model after ``warmup`` steps (all steps when no more ran),
+    and PRISM's throughput against the dense baseline's."""
+    res: dict = {}
+    for name, ts in times.items():
+        steady = ts[warmup:] or ts
+        res[f"{name}_tokens_per_s"] = tokens_per_step * len(steady) / sum(steady)
+        res[f"{name}_median_step_s"] = statistics.median(steady)
+    # Median step times are robust to the machine's other work; the total-time ratio is kept too.
+    res["throughput_ratio"] = res["dense_median_step_s"] / res["prism_median_step_s"]
+    res["throughput_ratio_total_time"] = res["prism_tokens_per_s"] / res["dense_tokens_per_s"]
+    return res
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -45,31 +80,23 @@ def main(argv: list[str] | None = None) -> dict:
     work = Path(args.work)
     work.mkdir(parents=True, exist_ok=True)
     tok_path = work / "tokenizer.json"
-    train_docs, _, _ = split_documents(corpus, train_cfg.val_fraction)
-    train_tokenizer((d.text for d in train_docs), model_cfg.vocab_size).save(str(tok_path))
+    docs, _ = split_documents(corpus, train_cfg.val_fraction)
+    train_tokenizer((d.text for is_val, d in docs if not is_val), model_cfg.vocab_size).save(str(tok_path))
 
     trainers = {}
     for head in ("prism", "dense"):
         trainers[head] = Trainer(model_cfg.replace(head=head), train_cfg, corpus, work / head,
                                  tokenizer_path=tok_path, progress=False, resume=False).setup()
-    times: dict[str, list[float]] = {"prism": [], "dense": []}
-    sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
-    for step in tqdm(range(args.steps), desc="interleaved steps", unit="step"):
-        order = ("prism", "dense") if step % 2 == 0 else ("dense", "prism")
-        for head in order:
-            t = trainers[head]
-            sync()
-            t0 = time.perf_counter()
+    def trainer_step(t: Trainer) -> Callable[[int], None]:
+        def run(step: int) -> None:
             t.train_step(step)
-            sync()
-            times[head].append(time.perf_counter() - t0)
             t.step = step + 1
+        return run
+
+    times = interleaved_step_times({head: trainer_step(t) for head, t in trainers.items()}, args.steps)
     tok_per_step = train_cfg.batch_size * train_cfg.grad_accum * model_cfg.block_size
-    res: dict = {}
+    res: dict = step_time_summary(times, args.warmup, tok_per_step)
     for head, t in trainers.items():
-        steady = times[head][args.warmup:]
-        res[f"{head}_tokens_per_s"] = tok_per_step * len(steady) / sum(steady)
-        res[f"{head}_median_step_s"] = statistics.median(steady)
         ev = evaluate(t.model, t.data.val, batch_size=train_cfg.batch_size, max_tokens=train_cfg.eval_tokens,
                       device=t.device, autocast=t.autocast)
         res[f"val_loss_{head}"] = ev["val_loss"]
@@ -78,9 +105,6 @@ def main(argv: list[str] | None = None) -> dict:
                                         "top10_mass_share")}
         t.last_eval = ev
         t.save({"bench": "train_throughput"})
-    # Median step times are robust to the machine's other work; the total-time ratio is kept too.
-    res["throughput_ratio"] = res["dense_median_step_s"] / res["prism_median_step_s"]
-    res["throughput_ratio_total_time"] = res["prism_tokens_per_s"] / res["dense_tokens_per_s"]
     res["val_loss_ratio"] = res["val_loss_prism"] / res["val_loss_dense"]
     K = model_cfg.n_prototypes
     res["targets"] = {
