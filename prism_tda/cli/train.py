@@ -137,12 +137,13 @@ def cmd_index(args: argparse.Namespace) -> int:
     from prism_tda.indexer.estimate import estimate, format_estimate
     from prism_tda.indexer.run import Indexer
 
-    if args.remove or args.takedown_report:
+    if args.remove or args.takedown_report or args.compact:
         return takedown(args)
     if not args.checkpoint:
         from prism_tda.errors import ConfigError
 
-        raise ConfigError("prism index: --checkpoint is required (except with --remove or --takedown-report)")
+        raise ConfigError("prism index: --checkpoint is required (except with --remove, --compact or "
+                          "--takedown-report)")
     overrides = merge_overrides({"index": {}}, args.config, args.set, also_ok={"model", "train"})["index"]
     cfg = IndexConfig.from_dict(overrides, where="index config")
     ix = Indexer(args.checkpoint, args.corpus, args.out, cfg, progress=not args.no_progress,
@@ -160,19 +161,31 @@ def cmd_index(args: argparse.Namespace) -> int:
 
 
 def takedown(args: argparse.Namespace) -> int:
-    """`prism index --out IDX --remove IDS|FILE` and `--takedown-report`."""
+    """`prism index --out IDX --remove IDS|FILE`, `--compact` and `--takedown-report`."""
     from dataclasses import asdict
 
-    from prism_tda.engine.takedown import read_ids, read_removals, remove_documents
+    from prism_tda.engine.takedown import absence, read_ids, read_removals, remove_documents
+
+    def public(r) -> dict[str, Any]:
+        return {k: v for k, v in asdict(r).items() if k not in ("key", "grams", "gram_length")}
 
     if args.remove:
         res = remove_documents(args.out, read_ids(args.remove), by="cli", reason=args.reason or "")
-        print(json.dumps({"removed": [asdict(r) for r in res.removed], "already_removed": res.already,
+        print(json.dumps({"removed": [public(r) for r in res.removed], "already_removed": res.already,
                           "not_found": res.not_found}, indent=2))
-        return 0 if res.removed or res.already else 1
-    removals = read_removals(args.out)
-    print(json.dumps({"index": str(args.out), "removed_documents": len(removals),
-                      "removals": [asdict(r) for r in removals]}, indent=2))
+        if not (res.removed or res.already):
+            return 1
+    if args.compact:
+        from prism_tda.indexer.compact import compact
+
+        print(json.dumps(compact(args.out, progress=not args.no_progress), indent=2))
+    if args.takedown_report:
+        removals = read_removals(args.out)
+        checks = absence(args.out)
+        print(json.dumps({"index": str(args.out), "removed_documents": len(removals),
+                          "removals": [{**public(r), **{k: c[k] for k in ("status", "document_in_store",
+                                                                          "sequences_with_its_ngrams")}}
+                                       for r, c in zip(removals, checks, strict=True)]}, indent=2))
     return 0
 
 
@@ -228,8 +241,13 @@ def register(sub: Any) -> None:
                     help="take documents down from the index --out: comma-separated corpus ids, or a file with one "
                          "per line; a running server stops showing them at its next request")
     ix.add_argument("--reason", help="with --remove: why (kept in the takedown report)")
+    ix.add_argument("--compact", action="store_true",
+                    help="rewrite the shards of the index --out that hold documents taken down, without them "
+                         "(crash-safe: run it again to finish); reload a running server afterwards")
     ix.add_argument("--takedown-report", action="store_true",
-                    help="print what was taken down from the index --out: which documents, when, by whom, why")
+                    help="print what was taken down from the index --out (which documents, when, by whom, why) and "
+                         "check each one's absence: 'absent' (not in the store: neither its text nor its token "
+                         "n-grams), 'filtered' (never served; stored until --compact), 'present'")
     ix.add_argument("--dry-run", action="store_true",
                     help="print estimated disk, indexing memory and time, and serving memory; write nothing")
     ix.add_argument("--json", action="store_true", help="with --dry-run: print JSON")

@@ -13,7 +13,8 @@ are the shard's offset (the counts of the shards before it, in unit order) plus 
                                 token-vector codebooks, posting cells, activation ranges
       faiss_template.index      the trained, empty FAISS index every shard's part starts from
       prototypes.parquet, vocab.parquet, stats.safetensors (the shards' statistics, summed)
-      shards/u000000/
+      takedown.json             documents taken down (engine/takedown.py), if any
+      shards/u000000/           (u000000.g1/, ...: the shard rewritten without documents taken down)
         documents.parquet       doc, external_id, source, title, url, text, n_tokens, trained
         sequences.parquet       seq, doc, start_token, n_tokens, tok0
         seq_tok0.npy seq_doc.npy seq_start.npy seq_last_target.npy     per sequence
@@ -130,10 +131,15 @@ class ShardInfo:
     corpus: dict[str, Any]  # the unit's reader counts (records, bad records by reason)
     seconds: float
     stats: dict[str, float] = field(default_factory=dict)  # loss, grounding sums of the shard
+    generation: int = 0  # rewrites of the shard without documents taken down (indexer/compact.py)
 
     @property
     def name(self) -> str:
         return f"u{self.unit:06d}"
+
+    def dir(self, index_dir: Path) -> Path:
+        """This shard's folder in ``index_dir`` (each generation has its own)."""
+        return shard_dir(index_dir, self.unit, self.generation)
 
 
 @dataclass
@@ -278,8 +284,9 @@ def array_file(shard: Path, name: str) -> Path:
     return shard / f"{name}.npy"
 
 
-def shard_dir(index_dir: Path, unit: int) -> Path:
-    return Path(index_dir) / SHARDS / f"u{unit:06d}"
+def shard_dir(index_dir: Path, unit: int, generation: int = 0) -> Path:
+    """The folder of a work unit's shard: ``u000123``, and ``u000123.g2`` for its second rewrite."""
+    return Path(index_dir) / SHARDS / (f"u{unit:06d}" + (f".g{generation}" if generation else ""))
 
 
 def write_table(path: Path, table: pa.Table, **kwargs: Any) -> int:
@@ -356,7 +363,7 @@ def disk_bytes(index_dir: Path) -> dict[str, int]:
     if m is None:
         return out
     for sh in m.shards:
-        d = shard_dir(index_dir, sh.unit)
+        d = sh.dir(index_dir)
         for name, b in sh.bytes.items():
             if name == "stats" and not (d / STATS).exists():
                 continue  # folded into the index's statistics and deleted by the reduce

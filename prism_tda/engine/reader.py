@@ -140,7 +140,7 @@ class IndexReader(IndexWide):
         self.held = list(range(len(infos))) if shards is None else sorted(set(shards))
         if any(not 0 <= s < len(infos) for s in self.held):
             raise PrismError(f"{self.dir}: shard positions {self.held} out of range (the index has {len(infos)})")
-        self.shards = [Shard(layout.shard_dir(self.dir, infos[s].unit), infos[s]) for s in self.held]
+        self.shards = [Shard(infos[s].dir(self.dir), infos[s]) for s in self.held]
         self._at = {s: sh for s, sh in zip(self.held, self.shards, strict=True)}
         self.stacked = self._stack_ivf()
         # decoded document row groups, the most recent few over every shard (bounded memory)

@@ -66,7 +66,8 @@ class IndexWide:
         self.shard_of_unit = np.zeros(max((s.unit for s in self.manifest.shards), default=0) + 1, dtype=np.int64)
         self.shard_of_unit[[s.unit for s in self.manifest.shards]] = np.arange(len(self.manifest.shards))
         self.k = int(self.manifest.model.get("n_active", self.manifest.model.get("top_k", 8)))
-        self.takedown = RemovedSet(self.dir, self.shard_of_unit, self.doc_base, (s.unit for s in self.manifest.shards))
+        self.takedown = RemovedSet(self.dir, self.shard_of_unit, self.doc_base,
+                                   {s.unit: s.generation for s in self.manifest.shards})
         self.load_seconds = time.perf_counter() - t0
 
     def removed(self, docs: np.ndarray) -> np.ndarray:
@@ -197,7 +198,7 @@ def document_table(index_dir: Path, columns: list[str]) -> Any:
 
     m = read_complete_manifest(index_dir)
     cols = [c for c in columns if c != "doc_id"]
-    parts = [pq.read_table(layout.shard_dir(index_dir, sh.unit) / layout.DOCUMENTS, columns=cols) for sh in m.shards]
+    parts = [pq.read_table(sh.dir(index_dir) / layout.DOCUMENTS, columns=cols) for sh in m.shards]
     table = pa.concat_tables(parts) if parts else pa.table({c: [] for c in cols})
     if "doc_id" in columns:
         table = table.add_column(0, "doc_id", pa.array(np.arange(table.num_rows, dtype=np.int64)))

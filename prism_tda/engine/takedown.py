@@ -17,7 +17,7 @@ import json
 import os
 import threading
 from collections.abc import Iterable, Iterator
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
@@ -30,6 +30,8 @@ from prism_tda.fsutil import atomic_write_bytes
 TAKEDOWN = "takedown.json"
 LOCK = ".takedown.lock"
 FORMAT = "prism-tda-takedown"
+GRAM = 8  # tokens per n-gram of the absence check
+N_GRAMS = 4  # n-grams kept per removed document
 
 
 @dataclass(frozen=True)
@@ -41,6 +43,10 @@ class Removal:
     removed_at: str  # ISO 8601, UTC
     by: str  # the API key's name, or "cli"
     reason: str = ""
+    generation: int = 0  # of the shard that held it: a rewrite without it (a compaction) ends the entry's mask
+    key: int = 0  # model/record.py's document_key of its id and text: what the absence check looks for
+    grams: list[int] = field(default_factory=list)  # hashes of a few of its token n-grams, ditto (no text kept)
+    gram_length: int = GRAM
 
 
 @dataclass(frozen=True)
@@ -92,27 +98,39 @@ def remove_documents(index_dir: str | Path, external_ids: Iterable[str], *, by: 
     stamp = (now or datetime.now(timezone.utc)).isoformat(timespec="seconds")
     with _locked(index_dir):
         removals = read_removals(index_dir)
-        done = {(r.unit, r.local) for r in removals}
+        done = {(r.unit, r.generation, r.local) for r in removals}
         import pyarrow.parquet as pq
 
-        found: dict[str, list[tuple[int, int, int]]] = {x: [] for x in want}
+        found: dict[str, list[tuple[int, int, int, int]]] = {x: [] for x in want}
         base = 0
         for sh in m.shards:
-            ids = pq.read_table(layout.shard_dir(index_dir, sh.unit) / layout.DOCUMENTS,
+            ids = pq.read_table(sh.dir(index_dir) / layout.DOCUMENTS,
                                 columns=["external_id"]).column("external_id").to_pylist()
             for local, x in enumerate(ids):
                 if x in found:
-                    found[x].append((sh.unit, local, base + local))
+                    found[x].append((sh.unit, sh.generation, local, base + local))
             base += sh.n_docs
         new: list[Removal] = []
         already, missing = [], []
+        reader = None
         for x in want:
-            hits = [h for h in found[x] if (h[0], h[1]) not in done]
+            hits = [h for h in found[x] if (h[0], h[1], h[2]) not in done]
             if not found[x]:
                 missing.append(x)
             elif not hits:
                 already.append(x)
-            new += [Removal(u, loc, d, x, stamp, by, reason) for u, loc, d in hits]
+            for u, g, loc, d in hits:
+                if reader is None:
+                    from .reader import IndexReader
+
+                    reader = IndexReader(index_dir)
+                rec = reader.document(d)
+                toks = document_tokens(reader, d)
+                n = min(GRAM, len(toks))
+                new.append(Removal(u, loc, d, x, stamp, by, reason, g, document_key(x, rec["text"]),
+                                   gram_hashes(toks, n), n))
+        if reader is not None:
+            reader.close()
         if new:
             body = {"format": FORMAT, "removals": [asdict(r) for r in removals + new]}
             atomic_write_bytes(index_dir / TAKEDOWN, json.dumps(body, indent=1).encode())
@@ -133,10 +151,11 @@ class RemovedSet:
     the takedown file changes."""
 
     def __init__(self, index_dir: Path, shard_of_unit: np.ndarray, doc_base: np.ndarray,
-                 units: Iterable[int]) -> None:
+                 generations: dict[int, int]) -> None:
+        """``generations``: each held unit's shard generation (a removal applies to that one only)."""
         self.path = Path(index_dir) / TAKEDOWN
         self._shard_of_unit, self._doc_base = shard_of_unit, doc_base
-        self._units = set(units)
+        self._gens = dict(generations)
         self._sig: tuple[int, int, int] | None = None
         self._mask: np.ndarray | None = None  # None: nothing removed
         self._removals: list[Removal] = []
@@ -159,7 +178,7 @@ class RemovedSet:
                 removals = read_removals(self.path.parent) if sig is not None else []
                 mask = np.zeros(int(self._doc_base[-1]), dtype=bool)
                 for r in removals:
-                    if r.unit in self._units:
+                    if self._gens.get(r.unit) == r.generation:
                         mask[self._doc_base[self._shard_of_unit[r.unit]] + r.local] = True
                 self._mask = mask if mask.any() else None
                 self._removals, self._sig = removals, sig
@@ -186,3 +205,86 @@ class RemovedSet:
     def report(self) -> dict[str, Any]:
         rs = self.removals()
         return {"removed_documents": len(rs), "removals": [asdict(r) for r in rs]}
+
+
+def document_key(doc_id: str, text: str) -> int:
+    from prism_tda.model.record import document_key as key
+
+    return key(doc_id, text)
+
+
+def document_tokens(reader: Any, doc: int) -> np.ndarray:
+    """The input token ids of a document's first stored window."""
+    seq = int(np.searchsorted(reader.doc_of_seqs(np.arange(reader.n_seqs)), doc))  # sequences are in doc order
+    tokens, _ = reader.sequence_tokens(seq)
+    return np.asarray(tokens, np.int64)
+
+
+def rolling_hashes(tokens: np.ndarray, n: int) -> np.ndarray:
+    """(len - n + 1,) uint64 hash of every n-gram of ``tokens`` (a polynomial hash mod 2^64)."""
+    t = np.asarray(tokens).astype(np.uint64)
+    if len(t) < n:
+        return np.zeros(0, np.uint64)
+    h = np.zeros(len(t) - n + 1, np.uint64)
+    with np.errstate(over="ignore"):
+        for j in range(n):
+            h = h * np.uint64(1_000_003) + t[j : len(t) - n + 1 + j] + np.uint64(1)
+    return h
+
+
+def gram_hashes(tokens: np.ndarray, n: int = GRAM, k: int = N_GRAMS) -> list[int]:
+    """Hashes of ``k`` evenly spaced n-grams of ``tokens`` (none when it is shorter than ``n``)."""
+    h = rolling_hashes(tokens, n) if n > 0 else np.zeros(0, np.uint64)
+    if not len(h):
+        return []
+    at = np.unique(np.linspace(0, len(h) - 1, min(k, len(h))).astype(np.int64))
+    return [int(x) for x in h[at]]
+
+
+def absence(index_dir: str | Path) -> list[dict[str, Any]]:
+    """For every removal: whether the store still holds its document (its id and text), whether any
+    stored sequence holds one of its token n-grams, and so its status: ``absent`` (neither),
+    ``filtered`` (still stored, until a compaction rewrites its shard; never served), ``present``
+    (its text is in the store in another document, or a rewrite missed it)."""
+    from . import layout
+    from .reads import read_complete_manifest
+
+    index_dir = Path(index_dir)
+    removals = read_removals(index_dir)
+    if not removals:
+        return []
+    m = read_complete_manifest(index_dir)
+    gens = {sh.unit: sh.generation for sh in m.shards}
+    import pyarrow.parquet as pq
+
+    keys: set[int] = set()
+    found: dict[int, int] = {}  # gram hash -> sequences holding it
+    want: dict[int, set[int]] = {}  # gram length -> hashes
+    for r in removals:
+        want.setdefault(r.gram_length, set()).update(r.grams)
+    for sh in m.shards:
+        d = sh.dir(index_dir)
+        t = pq.read_table(d / layout.DOCUMENTS, columns=["external_id", "text"])
+        keys.update(document_key(x, y) for x, y in zip(t.column("external_id").to_pylist(),
+                                                       t.column("text").to_pylist(), strict=True))
+        tokens = np.load(layout.array_file(d, "tokens"), mmap_mode="r")
+        tok0 = np.load(layout.array_file(d, "seq_tok0"), mmap_mode="r")
+        for n, hashes in want.items():
+            if not hashes:
+                continue
+            h = rolling_hashes(np.asarray(tokens), n)
+            # only n-grams inside one sequence: the window starting at row i ends before its sequence's end
+            ends = np.repeat(np.asarray(tok0[1:]), np.diff(np.asarray(tok0)))[: len(h)]
+            ok = np.arange(len(h)) + n <= ends
+            hit = np.isin(h, np.fromiter(hashes, np.uint64, len(hashes))) & ok
+            for v in h[hit].tolist():
+                found[int(v)] = found.get(int(v), 0) + 1
+    out = []
+    for r in removals:
+        stored = gens.get(r.unit) == r.generation
+        in_text = r.key in keys
+        grams = sum(found.get(g, 0) for g in r.grams)
+        status = "filtered" if stored else ("present" if in_text or grams else "absent")
+        out.append({"external_id": r.external_id, "unit": r.unit, "removed_at": r.removed_at, "status": status,
+                    "document_in_store": in_text, "sequences_with_its_ngrams": grams})
+    return out

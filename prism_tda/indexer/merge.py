@@ -57,7 +57,7 @@ def merge_shards(real: Path, out_dir: Path, unit: int) -> layout.ShardInfo:
     from prism_tda.engine.reads import read_complete_manifest
 
     m = read_complete_manifest(real)
-    parts = [layout.shard_dir(real, s.unit) for s in m.shards]
+    parts = [s.dir(real) for s in m.shards]
     infos = m.shards
     out_dir.mkdir(parents=True)
     tok_off = np.cumsum([0] + [s.n_tokens for s in infos])

@@ -200,48 +200,31 @@ class Indexer:
         path = self.out / layout.STATS
         total = CurvatureStats(mc.n_prototypes, mc.d_model)
         folded: set[int] = set()
+        compacted = None  # (unit, generation) rewrites already subtracted (indexer/compact.py)
         if path.is_file():
             t = load_file(str(path))
+            compacted = t.pop("compacted", None)
             folded = {int(u) for u in t.pop("units", torch.zeros(0)).tolist()}
             if folded:
                 total = CurvatureStats.from_tensors(t)
         new = [s for s in m.shards if s.unit not in folded]
         for s in new:
-            total.merge(CurvatureStats.from_tensors(load_file(str(layout.shard_dir(self.out, s.unit) /
+            total.merge(CurvatureStats.from_tensors(load_file(str(s.dir(self.out) /
                                                                   SHARD_STATS))))
         units = torch.tensor(sorted(folded | {s.unit for s in m.shards}), dtype=torch.int64)
         layout.atomic_write_bytes(path, save({**{k: v.contiguous() for k, v in total.tensors().items()},
-                                              "units": units}))
+                                              "units": units, **({} if compacted is None else {"compacted": compacted})}))
         n_lists = mc.n_prototypes * calib.cells.shape[0]
         layout.write_array(self.out / layout.POST_SIZES, layout.posting_list_sizes(
-            [np.load(layout.array_file(layout.shard_dir(self.out, s.unit), "post_offsets"), mmap_mode="r") for s in m.shards],
+            [np.load(layout.array_file(s.dir(self.out), "post_offsets"), mmap_mode="r") for s in m.shards],
             n_lists))
         for s in m.shards:  # folded: the shards' own copies are no longer needed
-            (layout.shard_dir(self.out, s.unit) / SHARD_STATS).unlink(missing_ok=True)
+            (s.dir(self.out) / SHARD_STATS).unlink(missing_ok=True)
         self._tables(total, calib)
         return total
 
     def _tables(self, total: CurvatureStats, calib: IndexCalibration) -> None:
-        sig = self.model.signatures(n=10)[1]  # (K, 10) top signature tokens of W p_i
-        tok = self.tokenizer
-
-        def text(i: int) -> str:
-            return tok.decode([i])
-
-        K = self.model.cfg.n_prototypes
-        sch = layout.schemas(self.model.cfg.vocab_size, K)
-        count, mass = total.count.numpy(), total.mass.numpy()
-        protos = pa.Table.from_pydict({
-            "proto_id": np.arange(K), "n_tokens": count.astype(np.int64), "mass": mass,
-            "mean_act": np.where(count > 0, mass / np.maximum(count, 1), 0).astype(np.float32),
-            "top_tokens": [[text(int(i)) for i in row] for row in sig.tolist()], "label": [None] * K,
-            "act_lo": calib.act_lo.numpy(), "act_hi": calib.act_hi.numpy(),
-        }, schema=sch["prototypes"])
-        layout.write_table(self.out / layout.PROTOTYPES, protos)
-        V = tok.get_vocab_size()
-        vocab = pa.Table.from_pydict({"token_id": np.arange(V), "token": [text(i) for i in range(V)]},
-                                     schema=sch["vocab"])
-        layout.write_table(self.out / layout.VOCAB, vocab)
+        write_tables(self.out, self.model, self.tokenizer, total, calib)
 
     # ------------------------------------------------------------------------------ run
     def run(self, *, workers: int | None = None, ray_address: str | None = None, append: bool = False
@@ -343,6 +326,31 @@ class Indexer:
                             "faiss_spec": m.calibration.faiss_spec if m.calibration else None},
             "timings": m.timings,
         }
+
+
+def write_tables(out: Path, model: Any, tokenizer: Any, total: CurvatureStats, calib: IndexCalibration) -> None:
+    """The prototype table (usage from the statistics, signature tokens, activation ranges) and the
+    vocabulary table of an index."""
+    sig = model.signatures(n=10)[1]  # (K, 10) top signature tokens of W p_i
+    tok = tokenizer
+
+    def text(i: int) -> str:
+        return tok.decode([i])
+
+    K = model.cfg.n_prototypes
+    sch = layout.schemas(model.cfg.vocab_size, K)
+    count, mass = total.count.numpy(), total.mass.numpy()
+    protos = pa.Table.from_pydict({
+        "proto_id": np.arange(K), "n_tokens": count.astype(np.int64), "mass": mass,
+        "mean_act": np.where(count > 0, mass / np.maximum(count, 1), 0).astype(np.float32),
+        "top_tokens": [[text(int(i)) for i in row] for row in sig.tolist()], "label": [None] * K,
+        "act_lo": calib.act_lo.numpy(), "act_hi": calib.act_hi.numpy(),
+    }, schema=sch["prototypes"])
+    layout.write_table(out / layout.PROTOTYPES, protos)
+    V = tok.get_vocab_size()
+    vocab = pa.Table.from_pydict({"token_id": np.arange(V), "token": [text(i) for i in range(V)]},
+                                 schema=sch["vocab"])
+    layout.write_table(out / layout.VOCAB, vocab)
 
 
 def build_index(checkpoint: str | Path, corpus: list[str] | None, out: str | Path, cfg: IndexConfig | None = None,

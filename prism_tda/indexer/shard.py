@@ -164,11 +164,13 @@ class ShardBuilder:
         return pa.Table.from_pydict(cols, schema=self.schemas["documents"]), toks, tgts, seq_doc, seq_start, stats
 
     # ------------------------------------------------------------------------------ build
-    def build(self, index_dir: Path, unit: WorkUnit, on_tokens: Callable[[int], object] | None = None) -> ShardInfo:
+    def build(self, index_dir: Path, unit: WorkUnit, on_tokens: Callable[[int], object] | None = None,
+              out: Path | None = None) -> ShardInfo:
+        """Build the shard of ``unit`` in ``index_dir`` (or in the folder ``out``); ``shard.json`` last."""
         import faiss
 
         t_start = time.perf_counter()
-        out = shard_dir(index_dir, unit.unit)
+        out = out if out is not None else shard_dir(index_dir, unit.unit)
         out.mkdir(parents=True, exist_ok=True)
         docs, toks, tgts, seq_doc, seq_start, cstats = self._read(unit)
         n_seq = len(toks)

@@ -71,9 +71,10 @@ def removed_table(index_dir: Path, manifest: Any) -> pa.Table:
     """The global ids of the index's documents taken down, as a one-column table."""
     from prism_tda.engine.takedown import read_removals
 
-    base = {sh.unit: b for sh, b in zip(manifest.shards, np.cumsum([0] + [sh.n_docs for sh in manifest.shards]),
-                                        strict=False)}
-    ids = [int(base[r.unit]) + r.local for r in read_removals(index_dir) if r.unit in base]
+    base = {(sh.unit, sh.generation): b for sh, b in zip(manifest.shards, np.cumsum([0] + [sh.n_docs for sh in
+                                                                                          manifest.shards]),
+                                                          strict=False)}
+    ids = [int(base[r.unit, r.generation]) + r.local for r in read_removals(index_dir) if (r.unit, r.generation) in base]
     return pa.table({"doc_id": pa.array(ids, pa.int64())})
 
 
@@ -98,7 +99,7 @@ def open_locked(index_dir: Path, *, memory_limit: str, threads: int) -> duckdb.D
     docs, seqs, toks, acts, bases = [], [], [], [], []
     doc0 = seq0 = tok0 = 0
     for i, sh in enumerate(m.shards):
-        d = layout.shard_dir(index_dir, sh.unit)
+        d = sh.dir(index_dir)
         allowed += [d / layout.DOCUMENTS, d / layout.SEQUENCES]
         con.register(f"_tokens_{i}", _arrow_tokens(d))
         docs.append(f"SELECT doc + {doc0} AS doc_id, external_id, source, title, url, text, n_tokens, trained "
