@@ -91,7 +91,7 @@ def test_nothing_was_written_or_changed(client, tmp_path):
     names = [t[0] for t in tables.json()["rows"]]
     n_shards = client.post("/v1/sql", json={"sql": "SELECT count(*) FROM shards"}).json()["rows"][0][0]
     assert names == sorted(["activations", "documents", "prototypes", "sequences", "shards", "tokens", "vocab",
-                            *(f"_tokens_{i}" for i in range(n_shards))])
+                            "_removed", *(f"_tokens_{i}" for i in range(n_shards))])  # _removed: takedown
 
 
 def test_too_many_rows_names_the_cap(client):
