@@ -94,7 +94,8 @@ def sample_windows(units: list[WorkUnit], tokenizer: Tokenizer, block: int, stri
 def faiss_spec(cfg: IndexConfig, n_seqs: int, dim: int, n_train: int) -> tuple[str, int]:
     """(factory string, nprobe) for an index of about ``n_seqs`` sequences whose template is trained on
     ``n_train`` sequences: IVF lists about ``4 sqrt(n_seqs)``, as many as the sample trains (at least
-    ``TRAIN_PER_LIST`` points each), a sixteenth of them probed."""
+    ``TRAIN_PER_LIST`` points each), a sixteenth of them probed; product-quantised codes of 1 byte per
+    32 dimensions."""
     if cfg.faiss_spec != "auto":
         m = re.search(r"IVF(\d+)", cfg.faiss_spec)
         return cfg.faiss_spec, max(1, int(m.group(1)) // 16) if m else 1
@@ -102,7 +103,9 @@ def faiss_spec(cfg: IndexConfig, n_seqs: int, dim: int, n_train: int) -> tuple[s
         return "IDMap,Flat", 1
     want = min(4 * math.sqrt(n_seqs), n_train / TRAIN_PER_LIST, 1 << 16)
     nlist = 2 ** max(4, int(math.log2(max(want, 1))))
-    return f"IVF{nlist},PQ{max(8, dim // 32)}", max(1, nlist // 16)
+    # "np": no polysemous training (a permutation of the codes for Hamming-distance filtering, which the
+    # search never uses: polysemous_ht stays 0), by far the longest part of training the template
+    return f"IVF{nlist},PQ{max(8, dim // 32)}np", max(1, nlist // 16)
 
 
 def calibrate(model: PRISM, tokenizer: Tokenizer, units: list[WorkUnit], cfg: IndexConfig, out: Path, *,

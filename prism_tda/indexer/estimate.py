@@ -10,6 +10,7 @@ beside its measurements, so its accuracy is visible in every manifest.
 from __future__ import annotations
 
 import json
+import re
 import resource
 import tempfile
 import time
@@ -28,6 +29,13 @@ PER_SEQUENCE = ("seq_tok0", "seq_doc", "seq_start", "seq_last_target", "sequence
 
 def peak_rss_bytes() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def pq_code_bytes(spec: str) -> int | None:
+    """Bytes of one product-quantised code of a FAISS factory string (``PQ32``, ``PQ32np``, ``PQ32x4``:
+    sub-quantisers x bits); None when the spec has no PQ."""
+    pq = re.search(r"PQ(\d+)(?:x(\d+))?", spec)
+    return int(pq.group(1)) * int(pq.group(2) or 8) // 8 if pq else None
 
 
 def estimate(ix, units: list[WorkUnit] | None = None) -> dict[str, Any]:
@@ -65,7 +73,7 @@ def estimate(ix, units: list[WorkUnit] | None = None) -> dict[str, Any]:
     D = cfg.embed_dim * cfg.sketch_buckets
     n_train = int(min(cfg.calibration_tokens, n_tok) * n_seq_s / n_tok_s)  # calibration sequences
     spec, _ = faiss_spec(cfg, n_seq, D, n_train)
-    pq_bytes = int(spec.rsplit("PQ", 1)[1]) if "PQ" in spec else 4 * D
+    pq_bytes = pq_code_bytes(spec) or 4 * D
     n_cells = cfg.posting_cells
     disk: dict[str, float] = {}
     for name, b in info.bytes.items():

@@ -310,3 +310,18 @@ def test_dry_run_estimate_is_close(index, tiny_ckpt, tiny_corpus):
     for name in ("tokens", "protos", "acts", "codes", "post_tokens"):
         assert 0.6 < s["bytes"][name] / est["disk_bytes"][name] < 1.6, name
     assert est["serving_memory_bytes"] > 0 and "estimate_vs_actual" in s
+
+
+def test_the_large_index_spec_trains_without_polysemous_codes_and_is_sized():
+    """Beyond 4,096 sequences: IVF-PQ without polysemous training (a code permutation the search never
+    uses, and most of the template's training time); the estimate reads its code size."""
+    import faiss
+
+    from prism_tda.indexer.calibrate import faiss_spec
+    from prism_tda.indexer.estimate import pq_code_bytes
+
+    spec, nprobe = faiss_spec(_cfg(), 100_000, 1024, 20_000)
+    ivf = faiss.downcast_index(faiss.index_factory(1024, spec, faiss.METRIC_INNER_PRODUCT))
+    assert spec.startswith("IVF") and not ivf.do_polysemous_training and ivf.polysemous_ht == 0
+    assert pq_code_bytes(spec) == 32 and nprobe >= 1
+    assert pq_code_bytes("IVF8,PQ32x4np") == 16 and pq_code_bytes("IDMap,Flat") is None

@@ -151,7 +151,9 @@ function showItems(el, res) {
     h("span", { class: "chips" }, it.used_prototypes.slice(0, 10).map((p) => [protoLink(p), " "]),
       it.used_prototypes.length > 10 ? `+${it.used_prototypes.length - 10}` : null),
     it.documents.length ? h("ol", { class: "mini" }, it.documents.slice(0, 3).map((d) => h("li", {},
-      h("a", { href: `#/document/${d.doc_id}` }, d.external_id || `doc ${d.doc_id}`), ` ${num(d.score)}`))) : "",
+      d.removed  // taken down since the audit ran: the citation stays, the document is gone
+        ? h("span", { class: "muted", title: "taken down" }, `${d.external_id || `doc ${d.doc_id}`} (removed)`)
+        : h("a", { href: `#/document/${d.doc_id}` }, d.external_id || `doc ${d.doc_id}`), ` ${num(d.score)}`))) : "",
   ]);
   clear(el, h("section", { class: "card" }, h("h2", {}, `Items (${res.job.n_items})`),
     table(["#", "id", "status", "output", "flag", "prototypes used", "top documents"], rows),
