@@ -35,10 +35,10 @@ class Catalog:
 
     def documents(self, doc_ids: list[int]) -> dict[int, dict[str, Any]]:
         out = {}
-        for d in dict.fromkeys(doc_ids):
-            if 0 <= d < self.reader.n_docs and not self.reader.removed(np.array([d]))[0]:
-                rec = self.reader.document(d)
-                out[d] = {k: rec[k] for k in ("doc_id", "external_id", "source", "title", "url", "text", "n_tokens")}
+        ids = np.array([d for d in dict.fromkeys(doc_ids) if 0 <= d < self.reader.n_docs], np.int64)
+        for d in ids[~self.reader.removed(ids)].tolist():  # documents taken down are not read
+            rec = self.reader.document(d)
+            out[d] = {k: rec[k] for k in ("doc_id", "external_id", "source", "title", "url", "text", "n_tokens")}
         return out
 
     def labels(self) -> dict[int, str]:

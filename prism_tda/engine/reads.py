@@ -66,8 +66,7 @@ class IndexWide:
         self.shard_of_unit = np.zeros(max((s.unit for s in self.manifest.shards), default=0) + 1, dtype=np.int64)
         self.shard_of_unit[[s.unit for s in self.manifest.shards]] = np.arange(len(self.manifest.shards))
         self.k = int(self.manifest.model.get("n_active", self.manifest.model.get("top_k", 8)))
-        self.takedown = RemovedSet(self.dir, self.shard_of_unit, self.doc_base,
-                                   {s.unit: s.generation for s in self.manifest.shards})
+        self.takedown = RemovedSet.of(self.dir, self.manifest)
         self.load_seconds = time.perf_counter() - t0
 
     def removed(self, docs: np.ndarray) -> np.ndarray:

@@ -26,6 +26,7 @@ import numpy as np
 
 from prism_tda.errors import PrismError
 from prism_tda.fsutil import atomic_write_bytes
+from prism_tda.model.record import document_key
 
 TAKEDOWN = "takedown.json"
 LOCK = ".takedown.lock"
@@ -184,6 +185,19 @@ class RemovedSet:
                 self._removals, self._sig = removals, sig
         return self._mask
 
+    @classmethod
+    def of(cls, index_dir: Path, manifest: Any) -> RemovedSet:
+        """The set over every shard of ``manifest`` (an ``engine.layout.IndexManifest``)."""
+        shards = manifest.shards
+        shard_of_unit = np.zeros(max((s.unit for s in shards), default=0) + 1, dtype=np.int64)
+        shard_of_unit[[s.unit for s in shards]] = np.arange(len(shards))
+        return cls(index_dir, shard_of_unit, manifest.bases()[2], {s.unit: s.generation for s in shards})
+
+    def ids(self) -> np.ndarray:
+        """The global ids of the removed documents, ascending."""
+        mask = self.refresh()
+        return np.zeros(0, np.int64) if mask is None else np.nonzero(mask)[0].astype(np.int64)
+
     def signature(self) -> tuple[int, int, int] | None:
         """Changes whenever the removals do (for caches of what removed documents could be in)."""
         self.refresh()
@@ -202,20 +216,10 @@ class RemovedSet:
         self.refresh()
         return list(self._removals)
 
-    def report(self) -> dict[str, Any]:
-        rs = self.removals()
-        return {"removed_documents": len(rs), "removals": [asdict(r) for r in rs]}
-
-
-def document_key(doc_id: str, text: str) -> int:
-    from prism_tda.model.record import document_key as key
-
-    return key(doc_id, text)
-
 
 def document_tokens(reader: Any, doc: int) -> np.ndarray:
     """The input token ids of a document's first stored window."""
-    seq = int(np.searchsorted(reader.doc_of_seqs(np.arange(reader.n_seqs)), doc))  # sequences are in doc order
+    seq = int(reader.seq_of_tokens(reader.rows_of_documents(np.array([doc]))[:1])[0])
     tokens, _ = reader.sequence_tokens(seq)
     return np.asarray(tokens, np.int64)
 

@@ -21,7 +21,6 @@ from __future__ import annotations
 import decimal
 import json
 import math
-import os
 import struct
 import sys
 import threading
@@ -67,15 +66,9 @@ def _arrow_tokens(shard: Path) -> pa.Table:
                      "acts": pa.FixedSizeListArray.from_arrays(pa.array(acts.reshape(-1)), k)})
 
 
-def removed_table(index_dir: Path, manifest: Any) -> pa.Table:
-    """The global ids of the index's documents taken down, as a one-column table."""
-    from prism_tda.engine.takedown import read_removals
-
-    base = {(sh.unit, sh.generation): b for sh, b in zip(manifest.shards, np.cumsum([0] + [sh.n_docs for sh in
-                                                                                          manifest.shards]),
-                                                          strict=False)}
-    ids = [int(base[r.unit, r.generation]) + r.local for r in read_removals(index_dir) if (r.unit, r.generation) in base]
-    return pa.table({"doc_id": pa.array(ids, pa.int64())})
+def removed_table(ids: np.ndarray) -> pa.Table:
+    """Global document ids (of documents taken down) as the one-column ``_removed`` table."""
+    return pa.table({"doc_id": pa.array(np.asarray(ids, np.int64), pa.int64())})
 
 
 def open_locked(index_dir: Path, *, memory_limit: str, threads: int) -> duckdb.DuckDBPyConnection:
@@ -117,7 +110,9 @@ def open_locked(index_dir: Path, *, memory_limit: str, threads: int) -> duckdb.D
         return " UNION ALL ".join(parts) or f"SELECT {columns} WHERE false"
 
     # documents taken down (engine/takedown.py): `_removed` is registered again before every statement
-    con.register("_removed", removed_table(index_dir, m))
+    from prism_tda.engine.takedown import RemovedSet
+
+    con.register("_removed", removed_table(RemovedSet.of(index_dir, m).ids()))
 
     def kept(view: str) -> str:
         return f"SELECT * FROM ({view}) WHERE doc_id NOT IN (SELECT doc_id FROM _removed)"
@@ -189,34 +184,27 @@ class Engine:
         leave every view at the next statement)."""
         self.con, self.timeout_s, self.max_rows, self.max_result_bytes = con, timeout_s, max_rows, max_result_bytes
         self.index_dir = index_dir
-        self._takedown_sig: object = "unread"  # read at the first statement
-        self._removed: pa.Table | None = None
-
-    def _signature(self) -> tuple[int, int] | None:
-        from prism_tda.engine.takedown import TAKEDOWN
-
-        if self.index_dir is None:
-            return None
-        try:
-            st = os.stat(self.index_dir / TAKEDOWN)
-        except FileNotFoundError:
-            return None
-        return st.st_mtime_ns, st.st_ino
+        self._takedown: Any = None  # engine.takedown.RemovedSet of index_dir, made at the first statement
+        self._takedown_sig: object = "unread"
 
     def _refresh_removed(self) -> None:
-        sig = self._signature()
-        if sig != self._takedown_sig and self.index_dir is not None:
+        """Register ``_removed`` again when the index's takedown record changed."""
+        if self.index_dir is None:
+            return
+        if self._takedown is None:
             from prism_tda.engine import layout
+            from prism_tda.engine.takedown import RemovedSet
 
-            self._removed = removed_table(self.index_dir, layout.read_manifest(self.index_dir))
-            self.con.register("_removed", self._removed)
+            self._takedown = RemovedSet.of(self.index_dir, layout.read_manifest(self.index_dir))
+        sig = self._takedown.signature()
+        if sig != self._takedown_sig:
+            self.con.register("_removed", removed_table(self._takedown.ids()))
             self._takedown_sig = sig
 
     def removed_ids(self) -> np.ndarray:
-        """The global ids of the documents taken down (as of the last statement)."""
+        """The global ids of the documents taken down."""
         self._refresh_removed()
-        t = self._removed
-        return np.zeros(0, np.int64) if t is None else t.column("doc_id").to_numpy()
+        return np.zeros(0, np.int64) if self._takedown is None else self._takedown.ids()
 
     def run(self, sql: str, audit_results: Callable[[], pa.Table] | None = None,
             prototype_sets: Callable[[], pa.Table] | None = None,
