@@ -9,8 +9,11 @@ quantising ``u_t`` itself (measured in docs/benchmarks.md).
 ``m_t`` (in the curvature basis ``Q``) is scaled by a diagonal preconditioner ``D^{-1/2}`` (the
 mean over prototypes of ``lambda_i + lam``, so the quantiser spends its bits where scores are
 sensitive) and product-quantised: ``n_sub`` sub-vectors, each the index of its nearest of
-``2^bits`` centroids. Codes of 12 bits are packed two to three bytes. Encoding and decoding run
-in torch (on the indexing device); the codebooks are trained with FAISS's k-means.
+``2^bits`` centroids. Codes of 12 bits are packed two to three bytes. Encoding runs on the
+indexing device: FAISS's product quantiser on a CPU (its SIMD scan of the centroids beats a dense
+distance matrix there), batched products and an argmin in torch on an accelerator, where the
+token vectors already are (the same nearest centroids, float ties aside; tested). Decoding runs in
+torch; the codebooks are trained with FAISS's k-means.
 
 **Direction codes.** A token the model predicts confidently (a memorised fact, say) has ``p_t``
 close to ``e_{y_t}``, so ``u_t`` is tiny beside ``m_t``: quantising ``m_t`` leaves an error that
@@ -77,6 +80,7 @@ def unpack_torch(packed: np.ndarray, bits: int, n_sub: int) -> torch.Tensor:
     return torch.stack([v & 0xFFF, v >> 12], dim=-1).reshape(n, n_sub).long()
 
 
+ENCODE_BLOCK_BYTES = 256 << 20  # the (n_sub, rows, 2^bits) distance block of one chunk of the torch encoder
 TABLES_BYTES = 32 << 20  # lookup tables kept for the next call with the same columns (0.5 MB per column)
 
 
@@ -92,6 +96,7 @@ class TokenCodec:
     dir_centroids: torch.Tensor | None = None  # (n_sub, 2^bits, d_sub) unit directions of D^{-1/2} u_t
     _tables: OrderedDict = field(default_factory=OrderedDict, init=False, repr=False, compare=False)
     _tables_lock: threading.Lock = field(default_factory=threading.Lock, init=False, repr=False, compare=False)
+    _books_on: dict = field(default_factory=dict, init=False, repr=False, compare=False)  # codebooks per device
 
     @functools.cached_property
     def _WQ(self) -> torch.Tensor:
@@ -199,9 +204,16 @@ class TokenCodec:
         assert self.dir_centroids is not None
         return _faiss_pq(self.dir_centroids, self.bits)
 
-    def encode(self, u: torch.Tensor, targets: torch.Tensor) -> tuple[np.ndarray, np.ndarray]:
+    def encode(self, u: torch.Tensor, targets: torch.Tensor, backend: str | None = None) -> tuple[np.ndarray, np.ndarray]:
         """Packed codes (N, code_bytes) of token vectors ``u`` (N, u_dim) with target ids (N,), and
-        (N,) bool: which tokens' codes are of their direction (the better reconstruction)."""
+        (N,) bool: which tokens' codes are of their direction (the better reconstruction).
+        ``backend``: "faiss" (the default on a CPU) or "torch" (the default on an accelerator: the
+        search runs where ``u`` is)."""
+        backend = backend or ("faiss" if u.device.type == "cpu" else "torch")
+        if backend not in ("faiss", "torch"):
+            raise ValueError(f"backend: 'faiss' or 'torch', got {backend!r}")
+        if backend == "torch":
+            return self._encode_torch(u, targets)
         dev = u.device
         scale = self.scale.to(dev)
         m = (u.float() + self.target_rows(targets.to(self.W.device)).to(dev)) * scale  # D^{-1/2} m_t
@@ -219,6 +231,35 @@ class TokenCodec:
         is_dir = err_d < err_m
         codes[is_dir] = codes_d[is_dir]
         return codes, is_dir
+
+    def _encode_torch(self, u: torch.Tensor, targets: torch.Tensor) -> tuple[np.ndarray, np.ndarray]:
+        """:meth:`encode` on ``u``'s device: per sub-vector ``argmin_c ||c||^2 - 2 x.c`` from batched
+        products, in chunks of rows that keep the distance block within ``ENCODE_BLOCK_BYTES``; the
+        reconstruction errors that choose between the two codebooks from the same centroids."""
+        dev = u.device
+        with torch.no_grad():
+            scale = self.scale.to(dev)
+            x = (u.float() + self.target_rows(targets).to(dev)) * scale  # D^{-1/2} m_t
+            codes, err = _nearest(x, self._device_books(dev, direction=False))
+            is_dir = torch.zeros(len(x), dtype=torch.bool, device=dev)
+            if self.dir_centroids is not None and len(x):
+                xs = u.float() * scale
+                r = xs.norm(dim=1, keepdim=True)
+                codes_d, err_d = _nearest(xs / r.clamp_min(1e-30), self._device_books(dev, direction=True))
+                is_dir = err_d * r[:, 0] < err
+                codes = torch.where(is_dir[:, None], codes_d, codes)
+        return pack(codes.cpu().numpy(), self.bits), is_dir.cpu().numpy()
+
+    def _device_books(self, dev: torch.device, direction: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        """(codebook (n_sub, 2^bits, d_sub), its squared norms (n_sub, 2^bits)) on ``dev``, kept."""
+        key = (str(dev), direction)
+        books = self._books_on.get(key)
+        if books is None:
+            c = (self.dir_centroids if direction else self.centroids)
+            assert c is not None
+            c = c.float().to(dev).contiguous()
+            books = self._books_on[key] = (c, (c * c).sum(-1))
+        return books
 
     def decode(self, packed: np.ndarray, targets: np.ndarray, is_dir: np.ndarray | None = None) -> torch.Tensor:
         """Approximate ``Q^T u_t`` (N, u_dim) from packed codes and target ids; the rows ``is_dir``
@@ -250,6 +291,25 @@ class TokenCodec:
     def load(cls, path: Path, W: torch.Tensor, Q: torch.Tensor) -> TokenCodec:
         t = load_file(str(path))
         return cls(t["centroids"], t["scale"], W, Q.float(), int(t["bits"][0]), t.get("dir_centroids"))
+
+
+def _nearest(x: torch.Tensor, books: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """(N, n_sub) the nearest centroid of each sub-vector of the rows of ``x`` (N, d), and (N,) the
+    distance from each row to its reconstruction."""
+    cents, norms = books
+    n_sub, k, ds = cents.shape
+    N = len(x)
+    codes = torch.empty(N, n_sub, dtype=torch.int64, device=x.device)
+    err2 = torch.empty(N, device=x.device)
+    step = max(1, ENCODE_BLOCK_BYTES // (4 * n_sub * k))
+    for a in range(0, N, step):
+        xs = x[a : a + step].reshape(-1, n_sub, ds).transpose(0, 1)  # (n_sub, n, d_sub)
+        dist = torch.baddbmm(norms[:, None, :], xs, cents.transpose(1, 2), alpha=-2.0)  # (n_sub, n, k)
+        best = dist.argmin(-1)  # (n_sub, n)
+        codes[a : a + step] = best.T
+        rec = torch.gather(cents, 1, best[:, :, None].expand(-1, -1, ds))  # (n_sub, n, d_sub)
+        err2[a : a + step] = (rec - xs).pow(2).sum((0, 2))
+    return codes, err2.sqrt()
 
 
 def _kmeans_subspaces(x: np.ndarray, n_sub: int, bits: int, seed: int, iters: int,

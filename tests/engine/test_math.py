@@ -21,9 +21,11 @@ def test_codes_pack_and_unpack(bits):
     assert np.array_equal(unpack_torch(packed, bits, 16).numpy(), codes)
 
 
+@pytest.mark.parametrize("backend", ["faiss", "torch"])
 @pytest.mark.parametrize("bits", [8, 12, 16])
-def test_codes_are_each_sub_vector_s_nearest_centroid(bits):
-    """The encoder's codes equal a brute-force nearest-centroid search, sub-vector by sub-vector."""
+def test_codes_are_each_sub_vector_s_nearest_centroid(bits, backend):
+    """The encoder's codes equal a brute-force nearest-centroid search, sub-vector by sub-vector, with
+    FAISS (a CPU's encoder) and with torch's batched products (an accelerator's)."""
     g = torch.Generator().manual_seed(2)
     V, d, N, n_sub = 30, 16, 300, 4
     W, Q = torch.randn(V, d, generator=g), torch.linalg.qr(torch.randn(d, d, generator=g))[0]
@@ -34,8 +36,32 @@ def test_codes_are_each_sub_vector_s_nearest_centroid(bits):
     ut = torch.randn(N, d, generator=g)
     x = ((ut + W[y] @ Q) * scale).view(N, n_sub, -1)
     want = torch.stack([torch.cdist(x[:, j], cents[j]).argmin(1) for j in range(n_sub)], 1).numpy()
-    got = unpack(codec.encode(ut, y)[0], bits, n_sub)
+    got = unpack(codec.encode(ut, y, backend=backend)[0], bits, n_sub)
     assert (got == want).mean() > 0.999  # float ties aside
+
+
+def test_torch_encoder_chooses_the_codebooks_as_faiss_does(monkeypatch):
+    """The accelerator's encoder (torch, in chunks of rows) and the CPU's (FAISS) give the same codes
+    and the same choice between the m_t and direction codebooks, on tokens of both kinds (a codebook
+    with fewer centroids than points: with more, many centroids are equally near)."""
+    import prism_tda.engine.codec as codec_mod
+
+    g = torch.Generator().manual_seed(5)
+    V, d, N = 50, 16, 3000
+    W, Q = torch.randn(V, d, generator=g), torch.linalg.qr(torch.randn(d, d, generator=g))[0]
+    y = torch.randint(0, V, (N,), generator=g)
+    m = torch.randn(N, d, generator=g) * 0.3
+    small = torch.arange(N) % 3 == 0
+    ut = torch.where(small[:, None], 1e-3 * torch.randn(N, d, generator=g), m - W[y] @ Q)
+    codec = TokenCodec.train(ut + W[y] @ Q, torch.rand(d, generator=g) + 0.5, W, Q, n_sub=4, bits=8, seed=0, u=ut)
+    monkeypatch.setattr(codec_mod, "ENCODE_BLOCK_BYTES", 4 * 4 * 256 * 700)  # chunks of 700 rows
+    c_f, dir_f = codec.encode(ut, y, backend="faiss")
+    c_t, dir_t = codec.encode(ut, y, backend="torch")
+    assert dir_f[small.numpy()].mean() > 0.9 and dir_f[~small.numpy()].mean() < 0.1  # both codebooks in use
+    assert (dir_f == dir_t).mean() > 0.998
+    assert (unpack(c_f, 8, 4) == unpack(c_t, 8, 4)).all(1).mean() > 0.998  # float ties aside
+    with pytest.raises(ValueError, match="backend"):
+        codec.encode(ut, y, backend="cuda")
 
 
 def test_codec_keeps_the_target_row_exact_and_the_rest_close():
