@@ -1,6 +1,6 @@
 """The floor of the indexer's per-token work on this machine, stage by stage, against the bare forward.
 
-On one batch of the index's own sequences (``--batch`` sequences of the model's full context), each
+On one batch of the index's own sequences (``--batch`` of its longest, cut to one length), each
 stage timed alone (median of ``--repeats`` after a warm-up), in microseconds per token:
 
 - ``bare_forward``: ``model(x)``, backbone and logits (the baseline of ``bench/index_throughput.py``);
@@ -51,10 +51,12 @@ def main(argv: list[str] | None = None) -> dict:
     torch.set_num_threads(os.cpu_count() or 1)
     att = Attributor.open(args.index)
     model, reader, codec = att.model, att.reader, att.reader.codec
-    block = model.cfg.block_size
-    full = [s for s in range(reader.n_seqs) if reader.seq_span(s)[1] - reader.seq_span(s)[0] == block]
-    seqs = full[:: max(1, len(full) // args.batch)][: args.batch]
-    toks, tgts = (list(v) for v in zip(*(reader.sequence_tokens(int(s)) for s in seqs), strict=True))
+    # the longest windows (the full context on a real corpus), spread over the index, cut to one length
+    lengths = np.array([reader.seq_span(s)[1] - reader.seq_span(s)[0] for s in range(reader.n_seqs)])
+    longest = np.sort(np.argsort(-lengths, kind="stable")[: 8 * args.batch])
+    seqs = longest[:: max(1, len(longest) // args.batch)][: args.batch]
+    width = int(lengths[seqs].min())
+    toks, tgts = ([t[:width] for t in v] for v in zip(*(reader.sequence_tokens(int(s)) for s in seqs), strict=True))
     x = torch.tensor(toks)
     n = x.numel()
     W = model.W.detach()

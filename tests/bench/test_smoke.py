@@ -46,3 +46,14 @@ def test_index_throughput_runs_on_the_tiny_checkpoint(tiny_ckpt, tmp_path):
     for key in ("throughput_ratio", "whole_job_ratio", "shard_stage_ratio_largest", "forward_tokens_per_s"):
         assert res[key] > 0, key
     assert res["whole_job_ratio"] < res["shard_stage_ratio_largest"]  # the whole job includes the shard stage
+
+
+def test_index_floor_times_each_stage_on_the_tiny_index(index, tmp_path):
+    """bench/index_floor.py: every stage timed, and the ceilings follow from the timings."""
+    from bench.index_floor import main
+
+    res = main(["--index", str(index), "--batch", "4", "--repeats", "1", "--out", str(tmp_path / "floor.json")])
+    us = res["us_per_token"]
+    assert all(v > 0 for v in us.values()) and {"bare_forward", "indexer_forward", "encode"} <= set(us)
+    assert res["ceiling_ratio"]["indexer_forward_and_encode"] == round(
+        us["bare_forward"] / (us["indexer_forward"] + us["encode"]), 3)
