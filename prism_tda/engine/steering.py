@@ -193,10 +193,26 @@ def words(text: str) -> list[str]:
     return [w for w in (m.group(0).lower().strip("'-") for m in WORD.finditer(text)) if len(w) > 2 and w not in STOP]
 
 
+def word_window(tokenizer: Tokenizer, ids: list[int], a: int, b: int, most: int = 4) -> tuple[int, int]:
+    """The token window ``[a, b)`` of ``ids`` widened (by at most ``most`` tokens a side) to whole words: a
+    window cut inside a word would name a prototype by a fragment ("estigator" of "investigator")."""
+
+    def inside(i: int) -> bool:  # token i continues the word of token i - 1
+        piece, prev = tokenizer.decode([ids[i]]), tokenizer.decode([ids[i - 1]])
+        return bool(piece[:1].isalpha() and prev[-1:].isalpha())
+
+    lo, hi = a, b
+    while lo > 0 and a - lo < most and inside(lo):
+        lo -= 1
+    while hi < len(ids) and hi - b < most and inside(hi):
+        hi += 1
+    return lo, hi
+
+
 def prototype_labels(reader: Reads, model: PRISM, tokenizer: Tokenizer, *, n_contexts: int = 10, n_signature: int = 10,
                      n_words: int = 3) -> dict[int, str]:
-    """A few words naming each prototype (c-TF-IDF over its top contexts and its logit signature); ``reader``:
-    an index reader (``engine/reader.py``)."""
+    """A few words naming each prototype (c-TF-IDF over its top contexts, each widened to whole words, and
+    its logit signature); ``reader``: an index reader (``engine/reader.py``)."""
     K = model.cfg.n_prototypes
     _, sig = model.signatures(None, n_signature)
     classes: dict[int, Counter] = {}
@@ -204,7 +220,7 @@ def prototype_labels(reader: Reads, model: PRISM, tokenizer: Tokenizer, *, n_con
         c: Counter = Counter()
         for row, _ in reader.top_contexts(p, n_contexts):
             _, _, pos, ids = token_context(reader, row)
-            a, b = max(0, pos - 6), min(len(ids), pos + 6)
+            a, b = word_window(tokenizer, ids, max(0, pos - 6), min(len(ids), pos + 6))
             start, end = len(tokenizer.decode(ids[a:pos])), len(tokenizer.decode(ids[a : pos + 1]))
             for m in WORD.finditer(tokenizer.decode(ids[a:b])):
                 for w in words(m.group(0)):

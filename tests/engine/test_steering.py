@@ -120,3 +120,22 @@ def test_logit_measure_is_the_per_token_view(att):
     np.testing.assert_allclose(got.mass, want, rtol=1e-3, atol=1e-4)
     with pytest.raises(QueryError, match="measure"):
         att.discover(topic_texts=[text], measure="nonsense")
+
+
+def test_label_windows_widen_to_whole_words(tiny_ckpt):
+    """A context window cut inside a word is widened to the whole word (labels name no fragments)."""
+    from prism_tda.engine.steering import word_window
+    from prism_tda.model.tokenizer import load_tokenizer
+
+    tok = load_tokenizer(tiny_ckpt / "tokenizer.json")
+    text = "The unbelievably overcomplicated investigator was uncharacteristically quiet"
+    ids = tok.encode(text).ids
+    pieces = [tok.decode([i]) for i in ids]
+    cuts = [i for i in range(1, len(ids) - 1) if pieces[i][:1].isalpha() and pieces[i - 1][-1:].isalpha()]
+    assert cuts, pieces  # the tiny tokenizer splits these words
+    for c in cuts:
+        a, b = word_window(tok, ids, c, c + 1, most=len(ids))
+        got = tok.decode(ids[a:b]).strip()
+        assert got in text.split(), (pieces, c, got)  # exactly one whole word
+        a, b = word_window(tok, ids, c, c + 1, most=1)  # the widening is bounded
+        assert c - a <= 1 and b - (c + 1) <= 1
