@@ -11,6 +11,13 @@ def demo_corpus_path() -> str:
     return str(files("prism_tda") / "data" / "fortunes.jsonl.gz")
 
 
+def demo_model_path() -> str | None:
+    """Path of the bundled demo model (a checkpoint directory trained on the demo corpus), or None in a
+    tree without one."""
+    path = files("prism_tda") / "data" / "demo_model"
+    return str(path) if (path / "config.json").is_file() else None
+
+
 # A process that already uses transformers gets the "prism" Auto classes with this import (prism_tda.hf
 # registers them); otherwise importing prism_tda stays light and `import prism_tda.hf` registers them.
 if "transformers" in sys.modules:

@@ -69,11 +69,11 @@ def test_index_dry_run_and_attribute(index, tiny_ckpt, tiny_corpus, tmp_path, ca
 
 @pytest.mark.slow
 def test_demo_end_to_end_with_a_tiny_model(tmp_path, capsys):
-    """The main job on the whole bundled corpus (model shrunk so it runs in seconds), then reused."""
+    """The main job with --train on the whole bundled corpus (model shrunk so it runs in seconds), then reused."""
     sets = ["model.d_model=32", "model.n_layer=1", "model.n_head=2", "model.n_prototypes=32", "model.vocab_size=512",
             "train.max_steps=4", "train.eval_every=4", "train.ckpt_every=4", "train.eval_tokens=1024",
             "index.code_bits=8", "index.calibration_tokens=32768", "index.posting_cells=16"]
-    args = ["demo", "--out", str(tmp_path / "demo"), "--no-progress", "--no-serve"]
+    args = ["demo", "--train", "--out", str(tmp_path / "demo"), "--no-progress", "--no-serve"]
     for s in sets:
         args += ["--set", s]
     assert main(args) == 0
@@ -83,6 +83,32 @@ def test_demo_end_to_end_with_a_tiny_model(tmp_path, capsys):
     assert "Which training documents drove" in out and "  1. " in out
     assert main(args) == 0  # second run reuses the model and the index
     assert json.loads(capsys.readouterr().out.split("\n}\n")[0] + "\n}")["train_seconds"] < 5
+
+
+def test_demo_uses_the_bundled_model_without_training(tiny_ckpt, tiny_corpus, tmp_path, monkeypatch, capsys):
+    """Without --train the demo copies the bundled model into its run directory and trains nothing (here
+    the bundled model is the tiny checkpoint and the corpus its 600 documents); a second run reuses both;
+    model settings without --train are refused, naming the option."""
+    import prism_tda.cli.serve as serve_mod
+    from prism_tda.model import checkpoint as ckpt
+    from prism_tda.model.train import Trainer
+
+    monkeypatch.setattr(serve_mod, "demo_model_path", lambda: str(tiny_ckpt))
+    monkeypatch.setattr(serve_mod, "demo_corpus_path", lambda: str(tiny_corpus))
+    monkeypatch.setattr(Trainer, "fit", lambda self, *a, **k: pytest.fail("the demo trained"))
+    out = tmp_path / "demo"
+    args = ["demo", "--out", str(out), "--no-progress", "--no-serve", "--set", "index.code_bits=8",
+            "--set", "index.posting_cells=16"]
+    for _ in range(2):
+        assert main(args) == 0
+        text = capsys.readouterr().out
+        summary = json.loads(text[: text.index("\n}\n") + 2])
+        assert summary["bundled_model"] is True and summary["index_summary"]["documents"] == 600
+        assert "Which training documents drove" in text
+    got = ckpt.resolve(out)
+    assert got.parent == out and ckpt.read_config(got)["files"] == ckpt.read_config(tiny_ckpt)["files"]
+    assert main(["demo", "--out", str(tmp_path / "d2"), "--no-serve", "--set", "model.d_model=64"]) == 2
+    assert "--train" in capsys.readouterr().err
 
 
 def test_serve_names_a_missing_index_in_one_line(tmp_path, capsys):

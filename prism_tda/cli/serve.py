@@ -12,7 +12,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from prism_tda import demo_corpus_path
+from prism_tda import demo_corpus_path, demo_model_path
 from prism_tda.errors import ConfigError, PrismError
 
 from .common import index_args
@@ -43,32 +43,84 @@ def _drop_outdated_index(index_dir: Path, cfg: Any) -> None:
         shutil.rmtree(index_dir)
 
 
+def _bundled_into(out: Path) -> Path:
+    """The bundled demo model as run directory ``out``'s checkpoint: copied (so the run directory stands
+    alone), renamed into place, then named by ``latest``."""
+    import shutil
+
+    from prism_tda.fsutil import atomic_write_bytes
+    from prism_tda.model import checkpoint as ckpt
+
+    src = demo_model_path()
+    if src is None:
+        raise PrismError("this installation has no bundled demo model (prism_tda/data/demo_model); "
+                         "`prism demo --train` trains one")
+    step = int(ckpt.read_config(src)["training"].get("step", 0))
+    dst = out / f"step_{step:07d}"
+    if not (dst / "config.json").is_file():
+        out.mkdir(parents=True, exist_ok=True)
+        tmp = out / f".{dst.name}.tmp-{os.getpid()}"
+        shutil.rmtree(tmp, ignore_errors=True)
+        shutil.copytree(src, tmp)
+        shutil.rmtree(dst, ignore_errors=True)  # a copy a crash left half done
+        os.replace(tmp, dst)
+    atomic_write_bytes(out / "latest", dst.name.encode())
+    return dst
+
+
+def _is_bundled(path: Path) -> bool:
+    """Whether checkpoint ``path`` holds the bundled demo model's files (by their recorded digests)."""
+    from prism_tda.model import checkpoint as ckpt
+
+    src = demo_model_path()
+    return src is not None and ckpt.read_config(src)["files"] == ckpt.read_config(path)["files"]
+
+
 def cmd_demo(args: argparse.Namespace) -> int:
-    """Train (or reuse) the tiny demo model on the bundled corpus, index the corpus, show samples."""
+    """Index the bundled corpus with the bundled demo model (or, with --train, a model trained here), show
+    samples, serve."""
     from prism_tda.engine import QueryOptions, QuerySpec
     from prism_tda.engine.layout import IndexConfig
     from prism_tda.indexer.run import build_index
     from prism_tda.model import checkpoint as ckpt
     from prism_tda.model.train import Trainer
 
-    out = Path(args.out)
+    out = Path(args.out or ("runs/demo-train" if args.train else "runs/demo"))
     index_sets = [s for s in args.set if s.startswith("index.")]
-    model_cfg, train_cfg = build_configs("tiny", None, [s for s in args.set if s not in index_sets])
+    model_sets = [s for s in args.set if s not in index_sets]
+    if not args.train and demo_model_path() is None:
+        log.info("this installation bundles no demo model: training the tiny one", extra={"run": str(out)})
+        args.train = True
+    if model_sets and not args.train:
+        raise ConfigError(f"--set {model_sets[0]}: model and training settings are for the model --train trains; "
+                          "the bundled demo model is fixed (add --train)")
+    model_cfg, train_cfg = build_configs("tiny", None, model_sets)
     index_cfg = IndexConfig.from_dict(merge_overrides({"index": {}}, None, index_sets)["index"], where="index config")
-    done = False
-    if (out / "latest").is_file():
-        try:
-            cfg = ckpt.read_config(ckpt.resolve(out))
-            done = cfg["training"].get("step", 0) >= train_cfg.max_steps
-        except PrismError:
-            done = False
     t0 = time.perf_counter()
-    if done:
-        log.info("reusing the demo model", extra={"run": str(out)})
+    if not args.train:
+        if (out / "latest").is_file():
+            bundled = _is_bundled(ckpt.resolve(out))
+            log.info("reusing the demo model", extra={"run": str(out), "bundled": bundled})
+            if not bundled:
+                log.warning(f"{out} holds a model trained here, not the bundled one: reusing it (remove {out}, or "
+                            "give another --out, for the bundled model)")
+        else:
+            log.info("using the bundled demo model", extra={"run": str(out)})
+            _bundled_into(out)
     else:
-        log.info("training the demo model", extra={"run": str(out), "max_steps": train_cfg.max_steps})
-        trainer = Trainer(model_cfg, train_cfg, [demo_corpus_path()], out, progress=not args.no_progress).setup()
-        trainer.fit()
+        done = False
+        if (out / "latest").is_file():
+            try:
+                cfg = ckpt.read_config(ckpt.resolve(out))
+                done = cfg["training"].get("step", 0) >= train_cfg.max_steps
+            except PrismError:
+                done = False
+        if done:
+            log.info("reusing the demo model", extra={"run": str(out)})
+        else:
+            log.info("training the demo model", extra={"run": str(out), "max_steps": train_cfg.max_steps})
+            trainer = Trainer(model_cfg, train_cfg, [demo_corpus_path()], out, progress=not args.no_progress).setup()
+            trainer.fit()
     ckpt_path = ckpt.resolve(out)
     training = ckpt.read_config(ckpt_path)["training"]
     t_train = time.perf_counter() - t0
@@ -76,7 +128,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
     _drop_outdated_index(index_dir, index_cfg)
     index = build_index(ckpt_path, [demo_corpus_path()], index_dir, index_cfg, progress=not args.no_progress)
     summary = {
-        "checkpoint": str(ckpt_path), "index": str(out / "index"),
+        "checkpoint": str(ckpt_path), "index": str(out / "index"), "bundled_model": _is_bundled(ckpt_path),
         "train_seconds": round(t_train, 1), "total_seconds": round(time.perf_counter() - t0, 1),
         "model": {k: training.get("eval", {}).get(k) for k in ("val_loss", "R1bar", "R2", "effective_prototypes",
                                                               "dead_prototypes")},
@@ -170,11 +222,16 @@ def cmd_settings_doc(args: argparse.Namespace) -> int:
 
 
 def register(sub: Any) -> None:
-    d = sub.add_parser("demo", help="the main job: train the tiny demo model and index the bundled corpus",
-                       description="Train (or reuse) a tiny PRISM model on the bundled demo corpus, index "
-                                   "the corpus with it, and print sample generations.")
-    d.add_argument("--out", default="runs/demo", help="run directory (default: runs/demo)")
-    d.add_argument("--set", action="append", default=[], metavar="SECTION.NAME=VALUE")
+    d = sub.add_parser("demo", help="the main job: a demo model (bundled, or trained here) indexes the bundled corpus, then serves it",
+                       description="Index the bundled demo corpus with the bundled demo model when the "
+                                   "installation has one (else, and with --train, a tiny model trained here), print "
+                                   "sample generations and one attribution, and serve the index with its web page.")
+    d.add_argument("--out", help="run directory (default: runs/demo, or runs/demo-train with --train)")
+    d.add_argument("--train", action="store_true",
+                   help="train the tiny demo model here from scratch (a few minutes) instead of using the bundled one; "
+                        "--set model.* and train.* configure it")
+    d.add_argument("--set", action="append", default=[], metavar="SECTION.NAME=VALUE",
+                   help="index.* for the index; model.* and train.* with --train")
     d.add_argument("--no-progress", action="store_true")
     d.add_argument("--no-serve", action="store_true", help="end after the example instead of serving the index")
     d.add_argument("--port", type=int, default=8000, help="port of the demo server (default 8000)")

@@ -80,7 +80,16 @@ def training_corpus(record: TrainingRecord | None) -> tuple[list[str], Fields] |
     if record is None or not record.corpus.get("corpus_files"):
         return None
     f = record.corpus.get("corpus_fields") or {}
-    return list(record.corpus["corpus_files"]), Fields(f.get("text_field", "text"), f.get("id_field"))
+    return [_relocated(c) for c in record.corpus["corpus_files"]], Fields(f.get("text_field", "text"), f.get("id_field"))
+
+
+def _relocated(path: str) -> str:
+    """A recorded corpus file, or the bundled demo corpus of this installation when the record names the
+    bundled corpus of another one (the bundled demo model was trained where the package was then)."""
+    bundled = Path(demo_corpus_path())
+    if not Path(path).exists() and Path(path).parts[-3:] == bundled.parts[-3:]:
+        return str(bundled)
+    return path
 
 
 class Indexer:
