@@ -52,9 +52,7 @@ def _bundled_into(out: Path) -> Path:
     from prism_tda.model import checkpoint as ckpt
 
     src = demo_model_path()
-    if src is None:
-        raise PrismError("this installation has no bundled demo model (prism_tda/data/demo_model); "
-                         "`prism demo --train` trains one")
+    assert src is not None, "cmd_demo trains when the installation bundles no model"
     step = int(ckpt.read_config(src)["training"].get("step", 0))
     dst = out / f"step_{step:07d}"
     if not (dst / "config.json").is_file():
@@ -88,22 +86,18 @@ def cmd_demo(args: argparse.Namespace) -> int:
     out = Path(args.out or ("runs/demo-train" if args.train else "runs/demo"))
     index_sets = [s for s in args.set if s.startswith("index.")]
     model_sets = [s for s in args.set if s not in index_sets]
-    if not args.train and demo_model_path() is None:
+    train = args.train or demo_model_path() is None
+    if train and not args.train:
         log.info("this installation bundles no demo model: training the tiny one", extra={"run": str(out)})
-        args.train = True
-    if model_sets and not args.train:
+    if model_sets and not train:
         raise ConfigError(f"--set {model_sets[0]}: model and training settings are for the model --train trains; "
                           "the bundled demo model is fixed (add --train)")
     model_cfg, train_cfg = build_configs("tiny", None, model_sets)
     index_cfg = IndexConfig.from_dict(merge_overrides({"index": {}}, None, index_sets)["index"], where="index config")
     t0 = time.perf_counter()
-    if not args.train:
+    if not train:
         if (out / "latest").is_file():
-            bundled = _is_bundled(ckpt.resolve(out))
-            log.info("reusing the demo model", extra={"run": str(out), "bundled": bundled})
-            if not bundled:
-                log.warning(f"{out} holds a model trained here, not the bundled one: reusing it (remove {out}, or "
-                            "give another --out, for the bundled model)")
+            log.info("reusing the demo model", extra={"run": str(out)})
         else:
             log.info("using the bundled demo model", extra={"run": str(out)})
             _bundled_into(out)
@@ -124,11 +118,15 @@ def cmd_demo(args: argparse.Namespace) -> int:
     ckpt_path = ckpt.resolve(out)
     training = ckpt.read_config(ckpt_path)["training"]
     t_train = time.perf_counter() - t0
+    bundled = _is_bundled(ckpt_path)
+    if not train and not bundled:
+        log.warning(f"{out} holds a model trained here, not the bundled one: reusing it (remove {out}, or give "
+                    "another --out, for the bundled model)")
     index_dir = out / "index"
     _drop_outdated_index(index_dir, index_cfg)
     index = build_index(ckpt_path, [demo_corpus_path()], index_dir, index_cfg, progress=not args.no_progress)
     summary = {
-        "checkpoint": str(ckpt_path), "index": str(out / "index"), "bundled_model": _is_bundled(ckpt_path),
+        "checkpoint": str(ckpt_path), "index": str(out / "index"), "bundled_model": bundled,
         "train_seconds": round(t_train, 1), "total_seconds": round(time.perf_counter() - t0, 1),
         "model": {k: training.get("eval", {}).get(k) for k in ("val_loss", "R1bar", "R2", "effective_prototypes",
                                                               "dead_prototypes")},
