@@ -46,6 +46,18 @@ def test_train_then_generate(tmp_path, tiny_corpus, tiny_tokenizer, capsys):
                  "--json"]) == 0
     gen = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert gen["prompt"] == "The" and isinstance(gen["completion"], str)
+    # steering: alpha 1 is the model as it is; --compare prints both; ids and terms are checked
+    run = ["generate", "--checkpoint", str(tmp_path / "run"), "--prompt", "The", "--max-new-tokens", "5", "--json"]
+    assert main([*run, "--suppress", "1", "2", "--alpha", "1", "--steer", "3,4=1", "--compare"]) == 0
+    both = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert both["completion"] == both["default_completion"] == gen["completion"]
+    assert main([*run, "--suppress", *map(str, range(16)), "--compare"]) == 0
+    both = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert both["default_completion"] == gen["completion"]
+    assert main([*run, "--suppress", "16"]) == 2 and "[0, 16)" in capsys.readouterr().err
+    assert main([*run, "--suppress", "1", "--steer", "1=0.5"]) == 2 and "prototype 1" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main([*run, "--steer", "1,2"])
     # a bad checkpoint path is a clean error, exit code 2
     assert main(["generate", "--checkpoint", str(tmp_path / "missing"), "--prompt", "x"]) == 2
     assert "no such checkpoint" in capsys.readouterr().err

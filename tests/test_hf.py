@@ -208,6 +208,19 @@ def test_suppression_through_the_hf_model_equals_ours(hf, tiny):
             pass
     with pytest.raises(ValueError, match="labels"):
         m(x, labels=x, suppress_prototypes=sup)
+    # graded: the block's alpha scales, nested blocks multiply, and generation matches ours
+    with torch.no_grad():
+        with m.suppress(sup, alpha=0.5), m.suppress(sup[:1], alpha=3.0):
+            assert m.prototype_alphas == {**dict.fromkeys(sup, 0.5), sup[0]: 1.5}
+            graded = m(x).logits
+        want = model(x, suppress=torch.tensor(sup), alpha=torch.tensor([1.5] + [0.5] * (len(sup) - 1))).logits
+    assert torch.allclose(graded, want, atol=1e-6) and m.prototype_alphas == {}
+    with m.suppress(sup, alpha=0.25):
+        got = m.generate(x, max_new_tokens=10)
+    assert got[0, 20:].tolist() == generate(model, tok, ids, 10, suppress=sup, alpha=0.25).token_ids
+    with pytest.raises(ValueError, match="alpha"):
+        with m.suppress(sup, alpha=-1.0):
+            pass
 
 
 # ---------------------------------------------------------------------------------------------- export

@@ -116,19 +116,73 @@ def cmd_train(args: argparse.Namespace) -> int:
 
 
 def generate_texts(checkpoint: str, prompts: list[str], max_new_tokens: int, temperature: float,
-              sample_top_k: int | None, seed: int) -> list[str]:
+                   sample_top_k: int | None, seed: int, scales: list[dict[int, float] | None] | None = None,
+                   ) -> list[str]:
+    """Each prompt's continuation, once per entry of ``scales`` (prompt-major; default: the model as it
+    is). A scale maps prototype id -> the factor its activations get (0 removes it)."""
+    import torch
+
+    from prism_tda.errors import QueryError
     from prism_tda.model.checkpoint import load_checkpoint
     from prism_tda.model.generate import generate
 
     model, tok, _ = load_checkpoint(checkpoint)
+    scales = scales or [None]
+    for scale in filter(None, scales):
+        if model.head is None:
+            raise QueryError(f"--suppress/--steer: {checkpoint} is the dense baseline, it has no prototypes")
+        try:
+            model.prototype_scale(torch.tensor(sorted(scale)), torch.tensor([scale[i] for i in sorted(scale)]))
+        except ValueError as e:
+            raise QueryError(f"--suppress/--steer: {e}") from None
     return [generate(model, tok, tok.encode(prompt).ids, max_new_tokens, temperature=temperature,
-                     sample_top_k=sample_top_k, seed=seed).text for prompt in prompts]
+                     sample_top_k=sample_top_k, seed=seed, suppress=scale).text
+            for prompt in prompts for scale in scales]
+
+
+def steer_term(value: str) -> tuple[list[int], float]:
+    """``IDS=ALPHA`` (ids separated by commas) for ``--steer``."""
+    ids, sep, alpha = value.rpartition("=")
+    try:
+        if not sep:
+            raise ValueError
+        out = [int(i) for i in ids.replace(" ", "").split(",") if i], float(alpha)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected IDS=ALPHA such as 3,17,42=0.5, got {value!r}") from None
+    if not out[0]:
+        raise argparse.ArgumentTypeError(f"no prototype id in {value!r}")
+    return out
+
+
+def steering_of(args: argparse.Namespace) -> dict[int, float]:
+    """prototype id -> alpha from ``--suppress``/``--alpha`` and every ``--steer``; an id given two
+    different alphas is an error."""
+    from prism_tda.errors import QueryError
+
+    terms = ([(args.suppress, args.alpha)] if args.suppress else []) + list(args.steer or [])
+    scale: dict[int, float] = {}
+    for ids, alpha in terms:
+        for i in ids:
+            if scale.setdefault(i, alpha) != alpha:
+                raise QueryError(f"prototype {i} is given alpha {alpha:g} and {scale[i]:g}")
+    return scale
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
-    for prompt, text in zip(args.prompt, generate_texts(args.checkpoint, args.prompt, args.max_new_tokens,
-                                                     args.temperature, args.sample_top_k, args.seed), strict=True):
-        print(json.dumps({"prompt": prompt, "completion": text}) if args.json else prompt + text)
+    scale = steering_of(args)
+    both = bool(args.compare and scale)
+    texts = generate_texts(args.checkpoint, args.prompt, args.max_new_tokens, args.temperature, args.sample_top_k,
+                           args.seed, [scale, None] if both else [scale or None])
+    for i, prompt in enumerate(args.prompt):
+        if not both:
+            text = texts[i]
+            print(json.dumps({"prompt": prompt, "completion": text}) if args.json else prompt + text)
+            continue
+        text, base = texts[2 * i], texts[2 * i + 1]
+        if args.json:
+            print(json.dumps({"prompt": prompt, "completion": text, "default_completion": base}))
+        else:
+            print(f"default: {prompt}{base}\nsteered: {prompt}{text}")
     return 0
 
 
@@ -214,6 +268,13 @@ def register(sub: Any) -> None:
     g.add_argument("--sample-top-k", "--top-k", dest="sample_top_k", type=int, default=None,
                    help="sample from the k most likely tokens only")
     g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--suppress", type=int, nargs="+", metavar="ID",
+                   help="prototypes whose activations are scaled by --alpha (by default removed from the logits)")
+    g.add_argument("--alpha", type=float, default=0.0,
+                   help="strength of --suppress: 0 removes them, 1 leaves the model as it is, above 1 boosts")
+    g.add_argument("--steer", type=steer_term, action="append", metavar="IDS=ALPHA",
+                   help="more prototypes at their own strength, e.g. 3,17,42=0.5 (repeatable)")
+    g.add_argument("--compare", action="store_true", help="with --suppress/--steer: also the model's own output")
     g.add_argument("--json", action="store_true", help="one JSON object per prompt")
     g.set_defaults(fn=cmd_generate)
 

@@ -13,7 +13,8 @@ The wrapper holds no tensors of its own: PRISM's sub-modules (``wte``, ``wpe``, 
   right (causal attention never lets a real token see those positions).
 - **Prototypes.** ``output_prototypes=True`` returns each position's active prototype ids and
   activations; :meth:`PrismForCausalLM.suppress` (a context manager) or ``suppress_prototypes=[...]``
-  zero prototypes' contributions to the logits, exactly as ``PRISM.forward(suppress=...)``.
+  zero prototypes' contributions to the logits, exactly as ``PRISM.forward(suppress=...)``;
+  ``suppress(ids, alpha=a)`` scales them by ``a`` instead (0 removes, 1 leaves, above 1 boosts).
 
 This module imports only torch, transformers and the PRISM module: an export ships a standalone
 copy of it (``prism_tda/hf/standalone.py``) as ``modeling_prism.py``.
@@ -79,7 +80,7 @@ class PrismForCausalLM(PreTrainedModel, GenerationMixin):
         for name, module in prism.named_children():
             self.add_module(name, module)
         self.__dict__["prism"] = prism  # not a sub-module: its modules are registered above
-        self._suppressed_ids: tuple[int, ...] = ()
+        self._alphas: dict[int, float] = {}  # prototype id -> its activations' factor, inside suppress()
         self.post_init()
 
     @classmethod
@@ -108,20 +109,31 @@ class PrismForCausalLM(PreTrainedModel, GenerationMixin):
     @property
     def suppressed_prototypes(self) -> tuple[int, ...]:
         """The prototypes the enclosing :meth:`suppress` blocks zero, ascending."""
-        return self._suppressed_ids
+        return tuple(sorted(i for i, a in self._alphas.items() if a == 0.0))
+
+    @property
+    def prototype_alphas(self) -> dict[int, float]:
+        """Every prototype the enclosing :meth:`suppress` blocks scale, with its factor."""
+        return dict(sorted(self._alphas.items()))
 
     @contextmanager
-    def suppress(self, prototype_ids: Iterable[int]) -> Iterator[PrismForCausalLM]:
-        """Inside the block, every forward (and so ``generate`` or a hand-written loop) gives these
-        prototypes no part in the logits: ``l_t = W z_t - sum_{i in K_t & S} a_{t,i} W p_i``; nested blocks
-        add up. The state is the model's: do not share one model between threads while suppressing."""
+    def suppress(self, prototype_ids: Iterable[int], alpha: float = 0.0) -> Iterator[PrismForCausalLM]:
+        """Inside the block, every forward (and so ``generate`` or a hand-written loop) scales these
+        prototypes' activations by ``alpha`` before mixing: ``l_t = W z_t + sum_{i in K_t & S} (alpha - 1)
+        a_{t,i} W p_i``. ``alpha`` 0 (the default) gives them no part in the logits, 1 leaves the model as it
+        is, above 1 boosts them. Nested blocks multiply. The state is the model's: do not share one model
+        between threads while suppressing."""
         ids = self._check_prototypes(prototype_ids)
-        before = self._suppressed_ids
-        self._suppressed_ids = tuple(sorted(set(before) | set(ids)))
+        alpha = float(alpha)
+        if not (alpha >= 0.0 and alpha < float("inf")):
+            raise ValueError(f"alpha: must be finite and >= 0, got {alpha}")
+        before = dict(self._alphas)
+        for i in set(ids):
+            self._alphas[i] = self._alphas.get(i, 1.0) * alpha
         try:
             yield self
         finally:
-            self._suppressed_ids = before
+            self._alphas = before
 
     def _check_prototypes(self, prototype_ids: Iterable[int] | torch.Tensor) -> list[int]:
         if self.prism.head is None:
@@ -134,9 +146,17 @@ class PrismForCausalLM(PreTrainedModel, GenerationMixin):
             raise ValueError(f"suppress_prototypes: ids {bad[:5]} are not in [0, {K})")
         return ids
 
-    def _suppress_tensor(self, extra: Iterable[int] | torch.Tensor | None, device: torch.device) -> torch.Tensor | None:
-        ids = set(self._suppressed_ids) | (set(self._check_prototypes(extra)) if extra is not None else set())
-        return torch.tensor(sorted(ids), dtype=torch.long, device=device) if ids else None
+    def _suppress_tensor(self, extra: Iterable[int] | torch.Tensor | None,
+                         device: torch.device) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(ids, alphas) of every scaled prototype: the enclosing blocks', and ``extra`` at 0."""
+        alphas = dict(self._alphas)
+        alphas.update(dict.fromkeys(self._check_prototypes(extra) if extra is not None else (), 0.0))
+        alphas = {i: a for i, a in alphas.items() if a != 1.0}
+        if not alphas:
+            return None
+        ids = sorted(alphas)
+        return (torch.tensor(ids, dtype=torch.long, device=device),
+                torch.tensor([alphas[i] for i in ids], dtype=torch.float32))
 
     # ------------------------------------------------------------------------------ forward
     def forward(
@@ -179,7 +199,8 @@ class PrismForCausalLM(PreTrainedModel, GenerationMixin):
             targets = targets.masked_fill(targets == -100, -1)
         last_only = logits_to_keep == 1 and targets is None and not want_protos
         out = self.prism(input_ids, targets, last_only=last_only, return_head=want_protos and suppress is None,
-                         suppress=suppress)
+                         suppress=suppress[0] if suppress is not None else None,
+                         alpha=suppress[1] if suppress is not None else 0.0)
         logits = out.logits
         assert logits is not None and out.z is not None
         if logits_to_keep and not last_only:

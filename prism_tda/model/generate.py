@@ -20,14 +20,18 @@ class Generation:
 
 def generate(model: PRISM, tokenizer: Tokenizer, prompt_ids: list[int], max_new_tokens: int, *,
              temperature: float = 0.0, sample_top_k: int | None = None, seed: int = 0,
-             suppress: list[int] | None = None) -> Generation:
+             suppress: list[int] | dict[int, float] | None = None, alpha: float = 0.0) -> Generation:
     """Continue ``prompt_ids`` (the model sees their last ``block_size``): greedy at temperature 0,
-    else sampled (seeded); ``suppress``: prototypes that contribute nothing to the logits."""
+    else sampled (seeded). ``suppress``: prototypes whose activations are scaled by ``alpha`` (0: they
+    contribute nothing to the logits), or a mapping of prototype id to its own alpha."""
     eos = eos_id(tokenizer)
     x = torch.tensor([prompt_ids[-model.cfg.block_size:] or [eos]])
-    sup = torch.tensor(sorted(set(suppress)), dtype=torch.long) if suppress else None
+    scale = suppress if isinstance(suppress, dict) else dict.fromkeys(suppress or (), float(alpha))
+    scale = {i: a for i, a in scale.items() if a != 1.0}  # alpha 1 is the model as it is
+    sup = torch.tensor(sorted(scale), dtype=torch.long) if scale else None
+    alphas = torch.tensor([scale[i] for i in sorted(scale)], dtype=torch.float32) if scale else 0.0
     temperature = temperature if temperature >= 1e-3 else 0.0  # 1/temperature must stay finite
     y = model.generate(x, max_new_tokens, temperature=temperature, sample_top_k=sample_top_k,
-                       generator=torch.Generator().manual_seed(seed), stop_token=eos, suppress=sup)
+                       generator=torch.Generator().manual_seed(seed), stop_token=eos, suppress=sup, alpha=alphas)
     new = y[0, x.shape[1]:].tolist()
     return Generation(new, tokenizer.decode([i for i in new if i != eos]), bool(new and new[-1] == eos))

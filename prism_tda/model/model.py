@@ -249,19 +249,25 @@ class PRISM(nn.Module):
         last_only: bool = False,
         return_head: bool = False,
         suppress: torch.Tensor | None = None,
+        alpha: torch.Tensor | float = 0.0,
+        project: bool = False,
     ) -> ModelOutput:
         """Logits and, given targets (B, T), the training loss ``L_CE + sum lam * L_aux``.
 
-        ``suppress`` (inference only): prototype ids whose activations are zeroed before mixing, so
-        they contribute nothing to the logits: ``l_t = W z_t - sum_{i in K_t & S} a_{t,i} W p_i``.
-        The active sets and the residual ``r_t`` stay those of the unsuppressed model.
+        ``suppress`` (inference only): prototype ids S whose activations are scaled by ``alpha`` (one
+        value, or one per id) before mixing: ``l_t = W z_t + sum_{i in K_t & S} (alpha_i - 1) a_{t,i} W p_i``.
+        ``alpha`` 0 (the default) removes their part of the logits, 1 leaves the model as it is, above 1
+        boosts them. The active sets and the residual ``r_t`` stay those of the unscaled model, unless
+        ``project``: then the residual's component in the span of the listed prototypes is scaled by the
+        same (single) alpha, ``r_t + (alpha - 1) Pi_S r_t``, so the listed directions leave the residual too
+        (the logits stay ``W r'_t + sum_i a'_{t,i} W p_i``: the decomposition holds with ``r'``).
         """
         z = self.hidden(idx)  # (B, T, d)
         if suppress is not None:
             if targets is not None or self.head is None:
                 raise ValueError("suppress is for inference with a PRISM head (no targets)")
             zs = z[:, -1:] if last_only else z
-            return ModelOutput(logits=F.linear(self._suppressed(zs, suppress), self.W), z=z)
+            return ModelOutput(logits=F.linear(self.steered_hidden(zs, suppress, alpha, project), self.W), z=z)
         if last_only and targets is None:
             return ModelOutput(logits=F.linear(z[:, -1:], self.W), z=z)
         logits = F.linear(z, self.W)  # (B, T, V) == W r + sum a W p
@@ -299,16 +305,50 @@ class PRISM(nn.Module):
         P = P if proto_ids is None else P[proto_ids]
         return (P @ self.W.float().T).topk(min(n, self.cfg.vocab_size), dim=-1)  # (K', V) -> (K', n)
 
+    def prototype_scale(self, ids: torch.Tensor, alpha: torch.Tensor | float = 0.0) -> torch.Tensor:
+        """(K,) the factor each prototype's activation is multiplied by: ``alpha`` (one value, or one per
+        id) at ``ids``, 1 elsewhere. Raises on ids outside the bank, alphas that are negative or not
+        finite, and an id listed twice with two values."""
+        assert self.head is not None
+        K = self.head.n_prototypes
+        ids = torch.as_tensor(ids, dtype=torch.long).reshape(-1).cpu()
+        a = torch.as_tensor(alpha, dtype=torch.float32).reshape(-1).cpu()
+        if a.numel() == 1:
+            a = a.expand(len(ids))
+        if a.numel() != len(ids):
+            raise ValueError(f"alpha: {a.numel()} values for {len(ids)} prototype ids")
+        if len(ids) and not (0 <= int(ids.min()) and int(ids.max()) < K):
+            raise ValueError(f"suppress: prototype ids must be in [0, {K})")
+        if not bool(torch.isfinite(a).all()) or bool((a < 0).any()):
+            raise ValueError("alpha: must be finite and >= 0")
+        scale = torch.ones(K)
+        scale[ids] = a
+        if not torch.equal(scale[ids], a):
+            raise ValueError("alpha: a prototype id is given twice with different values")
+        return scale
+
     @torch.no_grad()
-    def _suppressed(self, z: torch.Tensor, suppress: torch.Tensor) -> torch.Tensor:
-        """z (B, T, d) minus the suppressed prototypes' part of its reconstruction."""
+    def steered_hidden(self, z: torch.Tensor, suppress: torch.Tensor, alpha: torch.Tensor | float = 0.0,
+                    project: bool = False) -> torch.Tensor:
+        """z (B, T, d) with the listed prototypes' part of its reconstruction scaled by ``alpha`` (and with
+        ``project``, the residual's part in their span)."""
         assert self.head is not None
         flat = z.reshape(-1, z.shape[-1])  # (N, d)
         h = self.head(flat)
-        hit = torch.isin(h.proto_idx, suppress.to(h.proto_idx.device))  # (N, k)
+        scale = self.prototype_scale(suppress, alpha).to(flat.device)
+        factor = scale[h.proto_idx] - 1.0  # (N, k): alpha_i - 1 on listed prototypes, 0 elsewhere
         P_sel = F.embedding(h.proto_idx, self.head.prototypes.float())  # (N, k, d)
-        removed = torch.einsum("nk,nkd->nd", h.acts * hit, P_sel)  # sum over suppressed a_i p_i
-        return (flat.float() - removed).to(z.dtype).view_as(z)
+        change = torch.einsum("nk,nkd->nd", h.acts * factor, P_sel)  # sum over listed (alpha_i - 1) a_i p_i
+        if project:
+            ids = torch.as_tensor(suppress, dtype=torch.long).reshape(-1).unique()
+            a = scale[ids.to(scale.device)]
+            if len(ids) and not bool((a == a[0]).all()):
+                raise ValueError("project: needs one alpha for every listed prototype")
+            if len(ids):
+                basis, _ = torch.linalg.qr(self.head.prototypes.float()[ids.to(flat.device)].T)  # (d, S) orthonormal
+                r = flat.float() - h.zhat.float()
+                change = change + (float(a[0]) - 1.0) * (r @ basis) @ basis.T
+        return (flat.float() + change).to(z.dtype).view_as(z)
 
     @torch.no_grad()
     def decompose(
@@ -353,15 +393,18 @@ class PRISM(nn.Module):
         generator: torch.Generator | None = None,
         stop_token: int | None = None,
         suppress: torch.Tensor | None = None,
+        alpha: torch.Tensor | float = 0.0,
+        project: bool = False,
     ) -> torch.Tensor:
         """Greedy (temperature 0) or sampled continuation of idx (1, T); returns (1, T + n).
 
-        ``sample_top_k``: sample from the most likely tokens only; ``suppress``: prototype ids that
-        contribute nothing to the logits (see :meth:`forward`).
+        ``sample_top_k``: sample from the most likely tokens only; ``suppress``, ``alpha``: prototype ids
+        whose activations are scaled by alpha (0: they contribute nothing to the logits; see :meth:`forward`).
         """
         for _ in range(max_new_tokens):
             ctx = idx[:, -self.cfg.block_size :]
-            logits = self(ctx, last_only=True, suppress=suppress).logits[:, -1, :].float()  # (1, V)
+            logits = self(ctx, last_only=True, suppress=suppress, alpha=alpha,
+                          project=project).logits[:, -1, :].float()  # (1, V)
             if temperature <= 0:
                 nxt = logits.argmax(-1, keepdim=True)
             else:

@@ -106,11 +106,12 @@ class LoadedIndex:
                 "to run it in the background, or use mode 'fast'")
 
     def generate(self, prompt: str, *, max_new_tokens: int, temperature: float, sample_top_k: int | None,
-                 seed: int, suppress: list[int]) -> tuple[Generation, int]:
-        """A continuation of ``prompt`` and the prompt's length in tokens."""
+                 seed: int, scale: dict[int, float]) -> tuple[Generation, int]:
+        """A continuation of ``prompt`` and the prompt's length in tokens; ``scale``: prototype id -> the
+        factor its activations are multiplied by."""
         tokens = self.attributor.encoder.check(QuerySpec(prompt))
         gen = generate(self.attributor.model, self.attributor.tokenizer, tokens.prompt, max_new_tokens,
-                       temperature=temperature, sample_top_k=sample_top_k, seed=seed, suppress=suppress)
+                       temperature=temperature, sample_top_k=sample_top_k, seed=seed, suppress=scale)
         return gen, len(tokens.prompt)
 
     def discover(self, **kw: Any) -> dict[str, Any]:

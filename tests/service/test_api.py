@@ -125,6 +125,24 @@ def test_prototype_sets_and_generation_with_suppression(client):
     assert_problem(client.post(url, json={"prompt": ""}), 422, "validation-error")
     assert_problem(client.post(url, json={"prompt": "A", "temperature": "hot"}), 422, "validation-error",
                    mentions="temperature")
+    # graded strength: alpha 1 is the model as it is, 0 is suppression, per-set alphas through `steer`
+    body = {"prompt": "A computer", "max_new_tokens": 8}
+    same = client.post(url, json={**body, "suppress": "everything", "alpha": 1.0}).json()
+    assert same["token_ids"] == base["token_ids"] and same["alpha"] == 1.0
+    zero = client.post(url, json={**body, "steer": [{"prototypes": "everything", "alpha": 0}]}).json()
+    assert zero["token_ids"] == sup["token_ids"] and zero["suppressed"] == []
+    assert zero["steered"] == [{"prototypes": list(range(32)), "set": "everything", "alpha": 0.0}]
+    both = client.post(url, json={**body, "suppress": [1, 2], "alpha": 0.5,
+                                  "steer": [{"prototypes": [3], "alpha": 2.5}, {"prototypes": [2], "alpha": 0.5}]}).json()
+    assert [t["alpha"] for t in both["steered"]] == [0.5, 2.5, 0.5] and both["suppressed"] == [1, 2]
+    assert_problem(client.post(url, json={**body, "suppress": [1, 2], "steer": [{"prototypes": [2], "alpha": 3}]}),
+                   422, "invalid-query", mentions="steer[0]")
+    assert_problem(client.post(url, json={**body, "steer": [{"prototypes": [40], "alpha": 0}]}), 422,
+                   "invalid-prototype", mentions="steer[0].prototypes")
+    assert_problem(client.post(url, json={**body, "suppress": [1], "alpha": 4.5}), 422, "validation-error",
+                   mentions="alpha")
+    assert_problem(client.post(url, json={**body, "steer": [{"prototypes": "nope", "alpha": 1}]}), 404,
+                   "prototype-set-not-found", mentions="nope")
     assert_problem(client.put("/v1/prototype-sets/bad", json={"prototypes": [99]}), 422, "invalid-prototype")
     assert_problem(client.put("/v1/prototype-sets/bad name", json={"prototypes": [1]}), 422, "validation-error")
     assert client.delete("/v1/prototype-sets/everything").status_code == 204

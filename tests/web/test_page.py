@@ -111,6 +111,12 @@ def test_suppressed_generation_differs(page, web_live):
     body = {"prompt": PROMPT, "max_new_tokens": 8, "suppress": ids}
     api = httpx.post(web_live.url + "/v1/generate", json=body, timeout=60).json()
     assert suppressed == PROMPT + api["completion"]
+    # the strength slider: at x1 the prototypes are untouched, so both columns agree
+    page.locator("#gen-alpha").evaluate("(e) => { e.value = '1'; e.dispatchEvent(new Event('input')); }")
+    assert page.locator("#gen-alpha + output").inner_text() == "×1.00"
+    page.get_by_role("button", name="Compare").click()
+    page.locator("#verdict", has_text="Identical").wait_for()
+    assert page.locator(".gen.suppressed .gen-text").inner_text() == plain
 
 
 def test_audit_completes(page, web_live):
@@ -271,6 +277,13 @@ def test_steer_discover_save_and_compare(page, web_live):
     suppressed = page.locator(".gen.suppressed .gen-text").inner_text()
     body = {"prompt": PROMPT, "max_new_tokens": 8, "suppress": "art-web", "temperature": 0, "seed": 0}
     assert suppressed == PROMPT + httpx.post(web_live.url + "/v1/generate", json=body, timeout=60).json()["completion"]
+    # at half strength the page sends alpha 0.5 and shows what the API gives for it
+    page.locator("#steer-alpha").evaluate("(e) => { e.value = '0.5'; e.dispatchEvent(new Event('input')); }")
+    page.get_by_role("button", name="Generate with and without").click()
+    page.locator(".chips", has_text="×0.50").wait_for()
+    half = page.locator(".gen.suppressed .gen-text").inner_text()
+    api = httpx.post(web_live.url + "/v1/generate", json={**body, "alpha": 0.5}, timeout=60).json()
+    assert half == PROMPT + api["completion"] and api["steered"][0]["alpha"] == 0.5
 
 
 def test_prototypes_are_searchable_by_label(page, web_live):

@@ -1,4 +1,4 @@
-"""POST /v1/generate: generation, optionally with prototypes suppressed."""
+"""POST /v1/generate: generation, optionally with prototypes suppressed or scaled."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ from fastapi import APIRouter
 
 from .. import problems as p
 from ..deps import PrincipalDep, ServicesDep
-from ..schemas import GenerateRequest, GenerateResponse
+from ..schemas import GenerateRequest, GenerateResponse, SteerApplied
 from .prototypes import find_set
 
 router = APIRouter(prefix="/generate", tags=["generation"])
@@ -16,20 +16,38 @@ router = APIRouter(prefix="/generate", tags=["generation"])
              responses=p.responses(p.UnknownIndex, p.InvalidQuery, p.PromptTooLong, p.InvalidPrototype,
                                    p.PrototypeSetNotFound, p.TooManyItems, p.BodyTooLarge))
 async def generate(body: GenerateRequest, services: ServicesDep, principal: PrincipalDep) -> GenerateResponse:
-    """Continue a prompt. `suppress` (prototype ids, or a stored set's name) zeroes those prototypes'
-    activations, so they contribute nothing to the logits (the active sets and residual stay as they are)."""
+    """Continue a prompt. `suppress` (prototype ids, or a stored set's name) scales those prototypes'
+    activations by `alpha` before mixing: 0, the default, removes their part of the logits; 1 leaves the
+    model as it is; above 1 boosts them. `steer` adds more sets, each at its own alpha. The active sets and
+    the residual stay those of the unscaled model, so the logit decomposition stays exact."""
     ix = services.registry.get(body.index)
     n_new = min(32, services.settings.max_new_tokens) if body.max_new_tokens is None else body.max_new_tokens
     services.check_limits(max_new_tokens=n_new)
-    set_name = body.suppress if isinstance(body.suppress, str) else None
-    if set_name is not None:
-        ids = (await find_set(services, ix.name, set_name, principal, "suppress: "))["prototypes"]
-    else:
-        ids = list(body.suppress or [])
-        services.check_limits(n_items=("suppress", len(ids)))
-        ix.check_prototypes(ids, "suppress")
+
+    async def resolve(value: list[int] | str, field: str) -> tuple[list[int], str | None]:
+        if isinstance(value, str):
+            return list((await find_set(services, ix.name, value, principal, f"{field}: "))["prototypes"]), value
+        services.check_limits(n_items=(field, len(value)))
+        ix.check_prototypes(list(value), field)
+        return list(value), None
+
+    terms: list[tuple[str, SteerApplied]] = []  # (request field, term)
+    suppressed, set_name = await resolve(body.suppress, "suppress") if body.suppress is not None else ([], None)
+    if suppressed:
+        terms.append(("suppress", SteerApplied(prototypes=sorted(set(suppressed)), set=set_name, alpha=body.alpha)))
+    for i, term in enumerate(body.steer or []):
+        ids, name = await resolve(term.prototypes, f"steer[{i}].prototypes")
+        terms.append((f"steer[{i}]", SteerApplied(prototypes=sorted(set(ids)), set=name, alpha=term.alpha)))
+    scale: dict[int, float] = {}
+    for field, t in terms:
+        for pid in t.prototypes:
+            if scale.setdefault(pid, t.alpha) != t.alpha:
+                raise p.InvalidQuery(f"{field}: prototype {pid} is given alpha {t.alpha:g} here and "
+                                     f"{scale[pid]:g} in an earlier term")
+    services.check_limits(n_items=("steer", len(scale)))
     gen, n_prompt = await services.run(ix, ix.generate, body.prompt, max_new_tokens=n_new,
                                        temperature=body.temperature, sample_top_k=body.sample_top_k, seed=body.seed,
-                                       suppress=ids)
+                                       scale=scale)
     return GenerateResponse(index=ix.name, completion=gen.text, token_ids=gen.token_ids, n_prompt_tokens=n_prompt,
-                            stopped=gen.stopped, suppressed=sorted(set(ids)), suppress_set=set_name)
+                            stopped=gen.stopped, suppressed=sorted(set(suppressed)), suppress_set=set_name,
+                            alpha=body.alpha, steered=[t for _, t in terms])

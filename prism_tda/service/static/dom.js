@@ -83,3 +83,14 @@ export function hashLink(path, params) {
   const s = q.toString();
   return `#/${path}${s ? `?${s}` : ""}`;
 }
+
+/** A strength slider (0 removes, 1 leaves as is, above 1 boosts) with its value shown beside it. */
+export function alphaSlider(id, value = 0, max = 4) {
+  const input = h("input", { id, type: "range", min: 0, max, step: 0.05, value, "aria-valuetext": `×${value}` });
+  const shown = h("output", { for: id, class: "alpha-value" }, `×${Number(value).toFixed(2)}`);
+  input.addEventListener("input", () => {
+    shown.textContent = `×${Number(input.value).toFixed(2)}`;
+    input.setAttribute("aria-valuetext", shown.textContent);
+  });
+  return { input, shown, wrap: h("span", { class: "alpha" }, input, shown) };
+}

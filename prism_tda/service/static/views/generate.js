@@ -1,7 +1,7 @@
-// Generate with suppression: the same prompt with and without a set of prototypes, side by side.
+// Generate with suppression or graded strength: the same prompt with and without prototypes, side by side.
 
 import { api } from "../api.js";
-import { clear, field, h, hashLink, parseIds } from "../dom.js";
+import { alphaSlider, clear, field, h, hashLink, num, parseIds } from "../dom.js";
 import { busy, errorBox, protoLink } from "../ui.js";
 
 let lastPrompt = "";
@@ -11,6 +11,9 @@ export async function render(root, { params }) {
   const ids = h("input", { id: "gen-suppress", type: "text", inputmode: "numeric", value: params.get("suppress") || "",
     placeholder: "e.g. 17, 42", spellcheck: "false" });
   const sets = h("select", { id: "gen-set" }, h("option", { value: "" }, "— none —"));
+  const strength = alphaSlider("gen-alpha", Number(params.get("alpha") || 0));
+  const perSet = h("div", { id: "gen-sets", class: "set-sliders" });
+  const sliders = new Map(); // set name -> its slider
   const nNew = h("input", { id: "gen-new", type: "number", min: 1, max: 4096, value: params.get("n") || 16 });
   const temp = h("input", { id: "gen-temp", type: "number", min: 0, max: 10, step: 0.1, value: 0 });
   const seed = h("input", { id: "gen-seed", type: "number", min: 0, value: 0 });
@@ -20,16 +23,28 @@ export async function render(root, { params }) {
   const form = h("form", { class: "card form", "aria-label": "Generation" },
     field("Prompt", prompt),
     h("div", { class: "row" }, field("Suppress prototypes", ids, "Ids, separated by commas or spaces."),
-      field("or a stored set", sets)),
+      field("or a stored set", sets), field("at strength", strength.wrap, "×0 removes them (suppression), ×1 leaves " +
+        "the model as it is, above 1 boosts them.")),
+    perSet,
     h("div", { class: "row" }, field("New tokens", nNew), field("Temperature (0 = greedy)", temp), field("Seed", seed)),
     h("div", { class: "row" }, submit, status));
   root.append(h("h1", {}, "Generate with suppression"),
-    h("p", { class: "lede" }, "Suppressed prototypes contribute nothing to the logits; everything else stays as it is. " +
-      "Compare the output with and without them."), form, out);
+    h("p", { class: "lede" }, "Suppressed prototypes contribute nothing to the logits; at another strength their " +
+      "activations are scaled instead. Everything else stays as it is. Compare the output with and without them."),
+    form, out);
 
   api("GET", "/v1/prototype-sets").then((res) => {
     for (const s of res.sets) {
       sets.append(h("option", { value: s.name }, `${s.name} (${s.prototypes.length})`));
+    }
+    if (res.sets.length) {
+      const rows = res.sets.map((s) => {
+        const slider = alphaSlider(`gen-set-${s.name}`, 1);
+        sliders.set(s.name, slider);
+        return h("div", { class: "row set-slider" }, h("label", { for: slider.input.id }, `${s.name} (${s.prototypes.length})`),
+          slider.wrap);
+      });
+      perSet.append(h("p", { class: "hint" }, "Each stored set at its own strength (×1: untouched):"), ...rows);
     }
   }).catch(() => { /* the set list is optional */ });
 
@@ -42,16 +57,21 @@ export async function render(root, { params }) {
       clear(out, errorBox(err));
       return;
     }
-    if (!sets.value && !suppress.length) {
-      clear(out, errorBox(new Error("Give at least one prototype id to suppress, or choose a stored set.")));
+    const steer = [...sliders].filter(([, s]) => Number(s.input.value) !== 1)
+      .map(([name, s]) => ({ prototypes: name, alpha: Number(s.input.value) }));
+    if (!sets.value && !suppress.length && !steer.length) {
+      clear(out, errorBox(new Error("Give at least one prototype id to suppress, choose a stored set, or move a " +
+        "set's strength away from ×1.")));
       return;
     }
     lastPrompt = prompt.value;
     const base = { prompt: prompt.value, max_new_tokens: Number(nNew.value), temperature: Number(temp.value), seed: Number(seed.value) };
+    const steered = { ...base, ...(sets.value || suppress.length ? { suppress, alpha: Number(strength.input.value) } : {}),
+      ...(steer.length ? { steer } : {}) };
     await busy(submit, status, "Generating…", async () => {
       try {
         const [plain, supp] = await Promise.all([api("POST", "/v1/generate", { body: base }),
-          api("POST", "/v1/generate", { body: { ...base, suppress } })]);
+          api("POST", "/v1/generate", { body: steered })]);
         showCompare(out, base.prompt, plain, supp);
       } catch (err) {
         clear(out, errorBox(err));
@@ -78,16 +98,20 @@ export function showCompare(out, prompt, plain, supp) {
         cut < chars.length ? h("mark", { class: "diff" }, chars.slice(cut).join("")) : null),
       h("p", { class: "muted" }, `${res.token_ids.length} tokens${res.stopped ? ", ended at end-of-text" : ""}`));
   };
-  const named = supp.suppress_set ? `set “${supp.suppress_set}”: ` : "";
+  const terms = supp.steered || [];
+  const n = new Set(terms.flatMap((t) => t.prototypes)).size;
+  const allZero = terms.every((t) => t.alpha === 0);
+  const what = allZero ? `${n} prototypes suppressed` : `${n} prototypes scaled`;
   clear(out,
     h("p", { class: identical ? "verdict same" : "verdict differs", role: "status", id: "verdict" },
-      identical ? "Identical: suppressing these prototypes does not change this output."
+      identical ? `Identical: ${allZero ? "suppressing" : "scaling"} these prototypes does not change this output.`
         : `The outputs differ from generated token ${sameTokens + 1} on.`),
     h("div", { class: "two compare" },
-      column("Without suppression", plain, "plain"),
-      column(`With ${supp.suppressed.length} prototypes suppressed`, supp, "suppressed")),
-    h("p", { class: "chips" }, h("span", { class: "muted" }, `Suppressed (${named}${supp.suppressed.length}): `),
-      supp.suppressed.slice(0, 64).map((id) => h("span", { class: "chip" }, protoLink(id))),
-      supp.suppressed.length > 64 ? ` … and ${supp.suppressed.length - 64} more` : null),
+      column("The model as it is", plain, "plain"),
+      column(`With ${what}`, supp, "suppressed")),
+    terms.map((t) => h("p", { class: "chips" },
+      h("span", { class: "muted" }, `×${num(t.alpha, 2)}${t.set ? ` set “${t.set}”` : ""} (${t.prototypes.length}): `),
+      t.prototypes.slice(0, 64).map((id) => h("span", { class: "chip" }, protoLink(id))),
+      t.prototypes.length > 64 ? ` … and ${t.prototypes.length - 64} more` : null)),
     h("p", {}, h("a", { href: hashLink("attribute", { prompt }) }, "Attribute this prompt →")));
 }

@@ -2,7 +2,7 @@
 // without it side by side.
 
 import { api } from "../api.js";
-import { clear, field, h, num, pct } from "../dom.js";
+import { alphaSlider, clear, field, h, num, pct } from "../dom.js";
 import { busy, errorBox, protoLink, table } from "../ui.js";
 import { showCompare } from "./generate.js";
 
@@ -73,13 +73,16 @@ function showFound(out, res) {
   const nNew = h("input", { id: "steer-new", type: "number", min: 1, max: 4096, value: 24 });
   const temp = h("input", { id: "steer-temp", type: "number", min: 0, max: 10, step: 0.1, value: 1 });
   const seed = h("input", { id: "steer-seed", type: "number", min: 0, value: 0 });
+  const strength = alphaSlider("steer-alpha", 0, 2);
   const compare = h("button", { type: "submit", disabled: true }, "Generate with and without");
   const genStatus = h("p", { class: "status", role: "status" });
   const genOut = h("div", { class: "compare-out" });
   const chosen = () => boxes.filter((b) => b.checked).map((b) => Number(b.value));
   const saveForm = h("form", { class: "row", "aria-label": "Save set" }, field("Set name", name), save, saved);
   const genForm = h("form", { class: "card form", "aria-label": "Compare generations" }, field("Prompt", prompt),
-    h("div", { class: "row" }, field("New tokens", nNew), field("Temperature", temp), field("Seed", seed), compare, genStatus));
+    h("div", { class: "row" }, field("New tokens", nNew), field("Temperature", temp), field("Seed", seed)),
+    h("div", { class: "row" }, field("Strength of the set", strength.wrap, "×0 removes it, ×1 leaves the model as it is, " +
+      "above 1 boosts it."), compare, genStatus));
   clear(out,
     h("p", { class: "muted", id: "steer-summary" }, `Topic: ${res.topic.tokens} tokens of ${res.topic.documents} ` +
       `${res.topic.source}; against ${res.contrast.source} (${res.contrast.tokens} tokens).`),
@@ -109,7 +112,7 @@ function showFound(out, res) {
     await busy(compare, genStatus, "Generating…", async () => {
       try {
         const [plain, supp] = await Promise.all([api("POST", "/v1/generate", { body: base }),
-          api("POST", "/v1/generate", { body: { ...base, suppress: name.value } })]);
+          api("POST", "/v1/generate", { body: { ...base, suppress: name.value, alpha: Number(strength.input.value) } })]);
         showCompare(genOut, base.prompt, plain, supp);
       } catch (err) {
         clear(genOut, errorBox(err));
