@@ -28,6 +28,18 @@ from the prototypes not discovered in the top 50), the topic rate, its relative 
 perplexity ratio; the headline is the largest set within 2% of the bank. Intervals: 95% bootstrap
 over prompts.
 
+6. **Selection by effect** (``engine/steering.py``, ``select_by_effect``): from discovery's top 50,
+   greedily, within 2% of the bank, the set that most raises the model's loss on the topic's tuning
+   generations relative to its other tuning generations, keeping the perplexity of tuning contrast
+   documents within 2%. The tuning set shares nothing with the evaluation: its own prompts
+   (``TUNE_PROMPTS``), its own sampling seeds, the classifier's labels of those generations, and
+   other categories' validation documents after the ones perplexity is evaluated on. The chosen set
+   is evaluated as every set is (the evaluation prompts, seeds and documents), with a random set of
+   its size as the control.
+7. **Graded strength**: the headline set and the selected set at alpha 0.25 ... 3 (activations scaled,
+   ``PRISM.forward(alpha=...)``; alpha > 1 boosts), and at alpha 0 with the residual's component in
+   the set's span removed too (``project=True``).
+
     python -m bench.steering --index runs/demo_idle/index
 
 Writes ``bench/results/steering.json`` and ``docs/img/steering.png`` (with matplotlib installed).
@@ -57,6 +69,12 @@ PROMPTS = ["The", "I", "You", "A man", "My", "When", "There is", "It is", "Never
            "Man is", "Anyone who", "Our", "A good", "Most", "Once", "Here", "Remember", "Beware", "Things",
            "The only", "Whatever", "Those who", "Many", "Few", "Truth"]
 SIZES = [1, 2, 5, 10, 20, 50]
+# openings for the selection's tuning generations only (none is an evaluation prompt)
+TUNE_PROMPTS = ["So", "Before", "After all", "A woman", "Your", "Sometimes", "There was", "Yesterday", "Perhaps",
+                "Nobody", "The first", "Every man", "Be", "Do not", "It takes", "God", "Money", "Work", "Friends",
+                "The secret", "Old", "Youth", "Better", "Good", "Great", "Small", "Love is", "A fool", "Wise men",
+                "History"]
+ALPHAS = [0.25, 0.5, 0.75, 1.5, 2.0, 3.0]
 
 
 # ---------------------------------------------------------------------------- classifier
@@ -133,7 +151,7 @@ def cross_validate(texts: list[str], y: np.ndarray, folds: int = 5, seed: int = 
 # ---------------------------------------------------------------------------- model runs
 @torch.no_grad()
 def sample(model, prompt_ids: list[list[int]], samples: int, new_tokens: int, suppress: list[int] | None,
-           seed: int, eos: int) -> list[list[int]]:
+           seed: int, eos: int, alpha: float = 0.0, project: bool = False) -> list[list[int]]:
     """``samples`` continuations of each prompt (temperature 1, top 40), seeded per prompt, so a run with
     and one without suppression draw from the same random stream."""
     sup = torch.tensor(sorted(suppress), dtype=torch.long) if suppress else None
@@ -141,14 +159,16 @@ def sample(model, prompt_ids: list[list[int]], samples: int, new_tokens: int, su
     for p, ids in enumerate(prompt_ids):
         x = torch.tensor([ids] * samples)
         g = torch.Generator().manual_seed(seed * 100_003 + p)
-        y = model.generate(x, new_tokens, temperature=1.0, sample_top_k=40, generator=g, suppress=sup)
+        y = model.generate(x, new_tokens, temperature=1.0, sample_top_k=40, generator=g, suppress=sup, alpha=alpha,
+                           project=project)
         for row in y[:, len(ids):].tolist():
             out.append(row[: row.index(eos)] if eos in row else row)
     return out
 
 
 @torch.no_grad()
-def perplexity(model, docs: list[list[int]], suppress: list[int] | None, batch: int = 16) -> float:
+def perplexity(model, docs: list[list[int]], suppress: list[int] | None, batch: int = 16, alpha: float = 0.0,
+               project: bool = False) -> float:
     sup = torch.tensor(sorted(suppress), dtype=torch.long) if suppress else None
     T = model.cfg.block_size
     windows = [d[s : s + T + 1] for d in docs for s in range(0, max(len(d) - 1, 1), T) if len(d[s : s + T + 1]) > 1]
@@ -162,7 +182,7 @@ def perplexity(model, docs: list[list[int]], suppress: list[int] | None, batch: 
         for i, w in enumerate(chunk):
             x[i, : len(w) - 1] = torch.tensor(w[:-1])
             y[i, : len(w) - 1] = torch.tensor(w[1:])
-        logits = model(x, suppress=sup).logits if sup is not None else model(x).logits
+        logits = model(x, suppress=sup, alpha=alpha, project=project).logits if sup is not None else model(x).logits
         nll += float(F.cross_entropy(logits.float().reshape(-1, logits.size(-1)), y.reshape(-1), ignore_index=-1,
                                      reduction="sum"))
         n += int((y >= 0).sum())
@@ -195,7 +215,7 @@ def plot(res: dict, path: Path) -> None:
     except ImportError:
         print("matplotlib not installed: no plot")
         return
-    fig, ax = plt.subplots(1, 2, figsize=(10, 3.8))
+    fig, ax = plt.subplots(1, 3, figsize=(15, 3.8))
     for key, label, style in (("discovered", "discovered set", "o-"), ("random", "random set (control)", "s--")):
         rows = res["curve"][key]
         x = [r["size"] for r in rows]
@@ -203,12 +223,24 @@ def plot(res: dict, path: Path) -> None:
         ax[1].plot(x, [r["other_ppl_ratio"] for r in rows], style, label=label)
     ax[0].axhline(0.75, color="grey", lw=0.8, ls=":")
     ax[1].axhline(1.02, color="grey", lw=0.8, ls=":")
-    for a in ax:
+    if res.get("select_effect", {}).get("heldout"):
+        sel = res["select_effect"]
+        ax[0].plot([len(sel["prototypes"])], [sel["heldout"]["topic_rate_drop"]], "D", label="selected by effect")
+        ax[1].plot([len(sel["prototypes"])], [sel["heldout"]["other_ppl_ratio"]], "D", label="selected by effect")
+    for a in ax[:2]:
         a.set_xscale("log")
         a.set_xlabel("prototypes suppressed")
         a.legend()
     ax[0].set_ylabel(f"relative drop of topic rate ({res['topic']})")
     ax[1].set_ylabel("perplexity ratio, other categories")
+    for name, rows in res.get("alpha_curve", {}).items():
+        pts = sorted([(0.0, res["topic_rate_suppressed"] if name == "headline" else
+                       res["select_effect"]["heldout"]["topic_rate"]), (1.0, res["topic_rate_base"])]
+                     + [(r["alpha"], r["topic_rate"]) for r in rows])
+        ax[2].plot([x for x, _ in pts], [y for _, y in pts], "o-", label=f"{name} set")
+    ax[2].set_xlabel("strength alpha (0 removes, 1 unchanged, > 1 boosts)")
+    ax[2].set_ylabel("topic rate of generations")
+    ax[2].legend()
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=120)
@@ -223,6 +255,9 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--new-tokens", type=int, default=40)
     ap.add_argument("--sizes", type=int, nargs="+", default=SIZES)
     ap.add_argument("--ppl-docs", type=int, default=400, help="validation documents of other categories for perplexity")
+    ap.add_argument("--tune-docs", type=int, default=200,
+                    help="further validation documents of other categories: the selection's perplexity bound")
+    ap.add_argument("--alphas", type=float, nargs="+", default=ALPHAS)
     ap.add_argument("--measure", default="activation", choices=["activation", "logit"],
                     help="what a token counts for a prototype in discovery (engine/steering.py)")
     ap.add_argument("--seed", type=int, default=0)
@@ -279,10 +314,18 @@ def main(argv: list[str] | None = None) -> dict:
     other_ids = [tok.encode(docs["text"][i]).ids for i in other]
     n_p, n_s = len(prompt_ids), args.samples
 
-    def measure(suppress: list[int] | None) -> dict:
-        gens = sample(model, prompt_ids, n_s, args.new_tokens, suppress, args.seed, eos)
+    def measure(suppress: list[int] | None, alpha: float = 0.0, project: bool = False) -> dict:
+        gens = sample(model, prompt_ids, n_s, args.new_tokens, suppress, args.seed, eos, alpha, project)
         on = clf.predict([tok.decode(g) for g in gens]).astype(float)
-        return {"on": on, "ppl": perplexity(model, other_ids, suppress), "examples": [tok.decode(g) for g in gens[:3]]}
+        return {"on": on, "ppl": perplexity(model, other_ids, suppress, alpha=alpha, project=project),
+                "examples": [tok.decode(g) for g in gens[:3]]}
+
+    def row(m: dict) -> dict:
+        rate_b, rate_s = float(base["on"].mean()), float(m["on"].mean())
+        return {"topic_rate": round(rate_s, 4), "topic_rate_ci": boot_rate(m["on"], n_p, n_s),
+                "topic_rate_drop": round(1 - rate_s / max(rate_b, 1e-9), 4),
+                "topic_rate_drop_ci": boot_drop(base["on"], m["on"], n_p, n_s),
+                "other_ppl": round(m["ppl"], 4), "other_ppl_ratio": round(m["ppl"] / base["ppl"], 4)}
 
     base = measure(None)
     rng = np.random.default_rng(args.seed + 1)
@@ -306,6 +349,35 @@ def main(argv: list[str] | None = None) -> dict:
     head = max((r for r in curve["discovered"] if r["share_of_bank"] <= 0.02), key=lambda r: r["size"])
     ctrl = next(r for r in curve["random"] if r["size"] == head["size"])
     rate_b = float(base["on"].mean())
+
+    # 6. selection by measured effect, on a tuning set disjoint from the evaluation
+    from prism_tda.engine.steering import EffectTexts, select_by_effect
+
+    t_sel = time.perf_counter()
+    budget = int(0.02 * K)
+    tune_ids = [tok.encode(p).ids for p in TUNE_PROMPTS]
+    tune_gens = sample(model, tune_ids, n_s, args.new_tokens, None, args.seed + 7919, eos)
+    tune_on = clf.predict([tok.decode(g) for g in tune_gens])
+    tune_docs = [tok.encode(docs["text"][i]).ids
+                 for i in [i for i in held if not topic[i]][args.ppl_docs : args.ppl_docs + args.tune_docs]]
+    eff_texts = EffectTexts.of(model, ([g for g, o in zip(tune_gens, tune_on, strict=True) if o and len(g) > 1],
+                                       [g for g, o in zip(tune_gens, tune_on, strict=True) if not o and len(g) > 1],
+                                       tune_docs))
+    steps = select_by_effect(model, eff_texts, ranked[:50], budget=budget, max_ppl_ratio=1.02, progress=True)
+    selected = [st.proto_id for st in steps]
+    sel_s = time.perf_counter() - t_sel
+    sel_eval = row(measure(selected)) if selected else None
+    sel_ctrl = (row(measure(sorted(rng.choice(pool, len(selected), replace=False).tolist()))) if selected else None)
+    print("selected", selected, sel_eval and sel_eval["topic_rate_drop"], sel_eval and sel_eval["other_ppl_ratio"],
+          flush=True)
+
+    # 7. graded strength, and suppression with the residual's component in the set's span removed
+    sets = {"headline": head["prototypes"], **({"selected": selected} if selected else {})}
+    alpha_curve = {name: [{"alpha": a, **row(measure(ids_, alpha=a))} for a in args.alphas] for name, ids_ in sets.items()}
+    projection = {name: {"alpha": 0.0, **row(measure(ids_, project=True))} for name, ids_ in sets.items()}
+    for name in sets:
+        print(name, [(r["alpha"], r["topic_rate"], r["other_ppl_ratio"]) for r in alpha_curve[name]],
+              projection[name]["topic_rate_drop"], projection[name]["other_ppl_ratio"], flush=True)
     res = {
         "topic": args.topic, "measure": args.measure, "index": str(Path(args.index).resolve()), "prototypes_in_bank": K,
         "why_topic": ("picked by --topic auto: the category (>= 3% of documents) whose discovered top 10 carry the "
@@ -330,6 +402,19 @@ def main(argv: list[str] | None = None) -> dict:
         "control_random": {k: ctrl[k] for k in ("size", "topic_rate", "topic_rate_drop", "topic_rate_drop_ci",
                                                  "other_ppl_ratio")},
         "targets": {"topic_rate_drop": ">= 0.75", "prototypes_suppressed_share": "<= 0.02", "other_ppl_ratio": "<= 1.02"},
+        "select_effect": {
+            "rule": ("greedy from discovery's top 50 by the tuning generations' loss increase on the topic minus "
+                     "on the rest, contrast perplexity within 2%, at most 2% of the bank"),
+            "budget": budget, "tuning": {"prompts": len(tune_ids), "samples_per_prompt": n_s,
+                                         "generations_on_topic": int(tune_on.sum()), "generations": len(tune_gens),
+                                         "contrast_docs": len(tune_docs)},
+            "steps": [{"proto_id": st.proto_id, "effect": round(st.effect, 5),
+                       "topic_loss_increase": round(st.topic_loss_increase, 5),
+                       "other_loss_increase": round(st.other_loss_increase, 5),
+                       "contrast_ppl_ratio": round(st.contrast_ppl_ratio, 5)} for st in steps],
+            "prototypes": selected, "share_of_bank": round(len(selected) / K, 4), "seconds": round(sel_s, 1),
+            "heldout": sel_eval, "control_random": sel_ctrl},
+        "alpha_curve": alpha_curve, "projection": projection,
         "curve": curve, "examples": {"base": base["examples"], **{f"suppressed_{k}": v for k, v in examples.items()}},
         "seconds": round(time.perf_counter() - t0, 1),
     }

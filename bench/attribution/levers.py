@@ -34,9 +34,9 @@ Levers, each with its primary setting fixed before any number was seen (the rest
 
 each at the served default's other settings (damping 1.0, ``cosine_max``, every document scored),
 against the default with a paired bootstrap over the tuning split's subsets and queries; and the
-combination of the levers whose primary setting gained. Not tried here: a checkpoint ensemble (the
-evaluation model keeps one checkpoint) and a closed-form true Fisher (``W^T (diag p - p p^T) W``
-per token: V d^2 operations each).
+combination of the levers whose primary setting gained. Measured elsewhere: a checkpoint ensemble
+(``ensemble.py``) and the closed-form true Fisher (``true_fisher.py``, from the per-token diagonals
+this pass keeps).
 
     python -m bench.attribution.levers --work runs/bench_lds_fresh --seed 1
 
@@ -137,12 +137,24 @@ class CorpusTokens:
     acts: np.ndarray  # (N, k)
     ut: torch.Tensor  # (N, d) Q^T u_t
     proj: dict[str, tuple[torch.Tensor, torch.Tensor]]  # name -> (delta_t, h_t)
+    fisher: torch.Tensor  # (N, d) diagonal of Q^T W^T (diag p_t - p_t p_t^T) W Q: the true Fisher's, per token
+
+
+def true_fisher_diag(z: torch.Tensor, W: torch.Tensor, Q: torch.Tensor) -> torch.Tensor:
+    """(N, d) per token, the diagonal in the basis Q of the true Fisher of its next-token loss in
+    ``u`` space, ``E_{y ~ p_t}[u u^T] = W^T (diag p_t - p_t p_t^T) W``: with ``B = W Q``, column j is
+    ``p_t . B_j^2 - (p_t . B_j)^2``, the variance of ``B_j`` under the model's own prediction (V d per
+    token, not V d^2: only the diagonal in Q is kept, as for the empirical corrections)."""
+    B = (W.double() @ Q.double())  # (V, d)
+    p = torch.softmax(z.double() @ W.double().T, dim=-1)  # (N, V)
+    return (p @ B.pow(2) - (p @ B).pow(2)).clamp_min(0.0).float()
 
 
 def corpus_pass(att: Attributor, batch_size: int = 32) -> CorpusTokens:
     reader, model = att.reader, att.model
     Q = reader.curv.Q
-    docs, protos, acts, ut = [], [], [], []
+    docs, protos, acts, ut, fisher = [], [], [], [], []
+    W = model.W.detach().float()
     proj: dict[str, list] = {n: [] for n in PROJECTIONS}
     with tqdm(total=reader.n_tokens, desc="corpus pass", unit="tok", unit_scale=True) as bar:
         for b in range(0, reader.n_seqs, batch_size):
@@ -156,11 +168,13 @@ def corpus_pass(att: Attributor, batch_size: int = 32) -> CorpusTokens:
             protos.append(tb.proto_idx.numpy())
             acts.append(tb.acts.float().numpy())
             ut.append(tb.u @ Q)
+            fisher.append(true_fisher_diag(tb.z, W, Q))
             for n in PROJECTIONS:
                 proj[n].append(pg[n])
             bar.update(len(rows))
     return CorpusTokens(np.concatenate(docs), np.concatenate(protos), np.concatenate(acts), torch.cat(ut),
-                        {n: (torch.cat([d for d, _ in v]), torch.cat([h for _, h in v])) for n, v in proj.items()})
+                        {n: (torch.cat([d for d, _ in v]), torch.cat([h for _, h in v])) for n, v in proj.items()},
+                        torch.cat(fisher))
 
 
 def query_projection_G(model, q) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
@@ -176,6 +190,19 @@ def per_prototype_inv(att: Attributor, counts: np.ndarray, c: float) -> torch.Te
     lam = att.reader.curv.lam
     unit = damping_unit(lam, torch.from_numpy(counts), "prototype")  # the index's own rule (damping_scope)
     return (1.0 / (lam.double() + c * unit.double())).float()
+
+
+def block_corrections(ct: CorpusTokens, K: int, per_token: torch.Tensor) -> torch.Tensor:
+    """(K, d) per-prototype eigenvalue corrections ``(1/N) sum_t a_{t,i}^2 f_t`` of per-token diagonals
+    ``f_t`` (N, d), normalised as the index's ``lam`` is: ``(Q^T u_t)^2`` gives the index's empirical
+    corrections, ``ct.fisher`` the true Fisher's."""
+    lam = torch.zeros(K, per_token.shape[1], dtype=torch.float64)
+    a = torch.from_numpy(ct.acts).double()
+    proto = torch.from_numpy(ct.protos).long()
+    f = per_token.double()
+    for j in range(a.shape[1]):
+        lam.index_add_(0, proto[:, j], a[:, j : j + 1].pow(2) * f)
+    return (lam / len(ct.docs)).float()
 
 
 # --------------------------------------------------------------------------- scores of one setting

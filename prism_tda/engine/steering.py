@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import math
 import re
+import threading
 from collections import Counter
 from dataclasses import dataclass, field
 
@@ -27,7 +28,7 @@ import numpy as np
 import torch
 from tokenizers import Tokenizer
 
-from prism_tda.errors import QueryError
+from prism_tda.errors import QueryError, check_stop
 from prism_tda.model import PRISM
 
 from .arrays import unique
@@ -244,3 +245,101 @@ def c_tf_idf_labels(classes: dict[int, Counter], n_words: int = 3) -> dict[int, 
         scored = sorted(((v / n) * math.log(1 + A / f[w]), w) for w, v in c.items())
         out[k] = [w for _, w in sorted(scored, key=lambda x: (-x[0], x[1]))[:n_words]]
     return out
+
+
+# ---------------------------------------------------------------------------- selection by measured effect
+@dataclass
+class EffectTexts:
+    """Final hidden states of texts in three groups, computed once: scaling prototypes changes only the
+    head's mixing, never the backbone, so every candidate set is scored from these without rerunning it.
+    Groups: 0 the topic, 1 other text the model should keep writing (its loss is the baseline the
+    topic's is measured against), 2 the contrast whose perplexity bounds the cost."""
+
+    z: torch.Tensor  # (N, d)
+    y: torch.Tensor  # (N,) next-token targets
+    group: torch.Tensor  # (N,) 0, 1 or 2
+
+    @classmethod
+    @torch.no_grad()
+    def of(cls, model: PRISM, groups: tuple[list[list[int]], list[list[int]], list[list[int]]],
+           batch_size: int = 16) -> EffectTexts:
+        """Token ids per group, each text cut into windows of the model's context."""
+        T = model.cfg.block_size
+        zs, ys, gs = [], [], []
+        for g, texts in enumerate(groups):
+            windows = [ids[s : s + T + 1] for ids in texts for s in range(0, max(len(ids) - 1, 1), T)]
+            windows = [w for w in windows if len(w) > 1]
+            for b in range(0, len(windows), batch_size):
+                chunk = windows[b : b + batch_size]
+                tb = run_batch(model, [w[:-1] for w in chunk], [w[1:] for w in chunk])
+                zs.append(tb.z.float())
+                ys.append(tb.targets)
+                gs.append(torch.full((len(tb.targets),), g, dtype=torch.long))
+        if not any(len(t) for t in groups[0]):
+            raise QueryError("selection by effect needs topic text of at least 2 tokens")
+        return cls(torch.cat(zs), torch.cat(ys), torch.cat(gs))
+
+    @torch.no_grad()
+    def nll(self, model: PRISM, ids: list[int], alpha: float = 0.0, chunk: int = 4096) -> torch.Tensor:
+        """(3,) mean next-token loss per group with prototypes ``ids`` scaled by ``alpha`` (nan: empty group)."""
+        W = model.W.float()
+        total = torch.zeros(3, dtype=torch.float64)
+        for b in range(0, len(self.y), chunk):
+            z = self.z[b : b + chunk]
+            if ids:
+                z = model.steered_hidden(z[None], torch.tensor(ids), alpha)[0].float()
+            loss = torch.nn.functional.cross_entropy(z @ W.T, self.y[b : b + chunk], reduction="none")
+            total.index_add_(0, self.group[b : b + chunk], loss.double())
+        n = torch.bincount(self.group, minlength=3).double()
+        return total / n.where(n > 0, torch.tensor(float("nan"), dtype=torch.float64))
+
+
+@dataclass
+class EffectStep:
+    """One prototype added by :func:`select_by_effect`, with the set's measured effect once it is in."""
+
+    proto_id: int
+    effect: float  # the topic's loss increase minus the other text's (nats per token)
+    topic_loss_increase: float
+    other_loss_increase: float
+    contrast_ppl_ratio: float
+
+
+def select_by_effect(model: PRISM, texts: EffectTexts, candidates: list[int], *, budget: int,
+                     max_ppl_ratio: float = 1.02, alpha: float = 0.0, progress: bool = False,
+                     stop: threading.Event | None = None) -> list[EffectStep]:
+    """Greedy forward selection of at most ``budget`` prototypes from ``candidates`` by their measured
+    effect at strength ``alpha``: each step adds the candidate that most raises the topic's next-token loss
+    relative to the other text's (group 1; the contrast's when group 1 is empty), among those that keep
+    the contrast's perplexity within ``max_ppl_ratio`` of the unscaled model's; it stops at the budget or
+    when no candidate raises the effect further. ``stop``: checked before each candidate (``Cancelled``)."""
+    base = texts.nll(model, [], alpha)
+    other = 1 if not bool(torch.isnan(base[1])) else 2
+    chosen: list[int] = []
+    steps: list[EffectStep] = []
+    pool = list(dict.fromkeys(int(c) for c in candidates))
+    bar = None
+    if progress:
+        from tqdm.auto import tqdm
+
+        bar = tqdm(total=budget * len(pool), desc="select by effect", unit="set")
+    for _ in range(budget):
+        best: EffectStep | None = None
+        for c in pool:
+            if c in chosen:
+                continue
+            check_stop(stop, "selection by effect")
+            d = (texts.nll(model, [*chosen, c], alpha) - base).tolist()
+            ratio = math.exp(d[2]) if not math.isnan(d[2]) else 1.0
+            step = EffectStep(c, d[0] - d[other], d[0], d[other], ratio)
+            if bar is not None:
+                bar.update()
+            if ratio <= max_ppl_ratio and (best is None or step.effect > best.effect):
+                best = step
+        if best is None or (steps and best.effect <= steps[-1].effect):
+            break
+        chosen.append(best.proto_id)
+        steps.append(best)
+    if bar is not None:
+        bar.close()
+    return steps

@@ -26,6 +26,9 @@ from .requests import (
     option_fields,
 )
 
+MAX_ALPHA = 4.0  # the largest strength a prototype set may be given (boosting beyond it degenerates)
+MAX_STEER = 16  # terms of one generation's `steer`
+
 IndexName = Annotated[str | None, Field(None, max_length=200, description="Index to use (default: the server's "
                                                                           "default index).")]
 Prompt = Annotated[str, Field(min_length=1, max_length=20_000, description="The prompt text.")]
@@ -51,6 +54,13 @@ class AttributeResponse(create_model("AttributeResponseFields", index=(str, ...)
 
 
 # ---------------------------------------------------------------------------- generate
+class SteerTerm(Strict):
+    prototypes: Annotated[list[ProtoId], Field(max_length=MAX_LIST)] | SetName = Field(
+        description="Prototype ids, or the name of a stored prototype set.")
+    alpha: JFloat = Field(ge=0.0, le=MAX_ALPHA, description="Their activations are multiplied by this: 0 "
+                          "removes them, 1 leaves them, above 1 boosts them.")
+
+
 class GenerateRequest(Strict):
     index: IndexName
     prompt: Prompt
@@ -63,8 +73,20 @@ class GenerateRequest(Strict):
                                                   "its earlier name, is still accepted).")
     seed: JInt = Field(0, ge=0, le=2**63 - 1)
     suppress: Annotated[list[ProtoId], Field(max_length=MAX_LIST)] | SetName | None = Field(
-        None, description="Prototypes that contribute nothing to the logits: a list of ids, or the name of "
-                          "a stored prototype set.")
+        None, description="Prototypes whose activations are scaled by `alpha` (by default they contribute "
+                          "nothing to the logits): a list of ids, or the name of a stored prototype set.")
+    alpha: JFloat = Field(0.0, ge=0.0, le=MAX_ALPHA, description="Strength of the `suppress` prototypes: their "
+                          "activations are multiplied by it before mixing. 0 (the default) removes their part "
+                          f"of the logits, 1 leaves the model as it is, above 1 (up to {MAX_ALPHA:g}) boosts them.")
+    steer: Annotated[list[SteerTerm], Field(max_length=MAX_STEER)] | None = Field(
+        None, description="More prototype sets, each at its own strength (a slider per set). A prototype may "
+                          "appear in several terms only with the same alpha.")
+
+
+class SteerApplied(BaseModel):
+    prototypes: list[int]
+    set: str | None = Field(description="The stored set the prototypes came from, if a name was given.")
+    alpha: float
 
 
 class GenerateResponse(BaseModel):
@@ -73,8 +95,10 @@ class GenerateResponse(BaseModel):
     token_ids: list[int]
     n_prompt_tokens: int
     stopped: bool = Field(description="Generation ended at the end-of-text token.")
-    suppressed: list[int]
+    suppressed: list[int] = Field(description="The `suppress` prototypes (at `alpha`).")
     suppress_set: str | None
+    alpha: float = Field(description="The strength the `suppress` prototypes had.")
+    steered: list[SteerApplied] = Field(description="Every term applied: `suppress` first, then `steer`'s.")
 
 
 # ---------------------------------------------------------------------------- audits
@@ -285,6 +309,36 @@ class DiscoverRequest(Strict):
         "activation", description="What a token counts for a prototype: its activation, or its positive share of "
                                   "the next token's logit `a_i (W p_i)_y` (the per-token view; the default contrast "
                                   "then takes a pass over the corpus).")
+    select: Literal["ratio", "effect"] = Field(
+        "ratio", description="`effect`: also choose, from the ranked prototypes, the set whose suppression most "
+                             "raises the model's loss on the topic relative to the contrast (greedy, measured with "
+                             "the model), within `max_selected` prototypes and `max_ppl_ratio` (see `selection`).")
+    max_selected: JInt | None = Field(None, ge=1, le=1000, description="With `select: effect`: the most prototypes "
+                                      "chosen (default 2% of the bank).")
+    max_ppl_ratio: JFloat = Field(1.02, ge=1.0, le=10.0, description="With `select: effect`: the largest perplexity "
+                                  "ratio on the contrast a chosen set may cost.")
+
+
+class SelectionStep(BaseModel):
+    proto_id: int
+    effect: float = Field(description="The topic's loss increase minus the contrast's, in nats per token, once "
+                                      "this prototype is in the set.")
+    topic_loss_increase: float
+    contrast_loss_increase: float
+    contrast_ppl_ratio: float
+
+
+class EffectSelection(BaseModel):
+    rule: str
+    budget: int
+    max_ppl_ratio: float
+    contrast: str = Field(description="What the contrast texts were.")
+    topic_tokens: int
+    contrast_tokens: int
+    candidates: int
+    seconds: float
+    prototypes: list[int] = Field(description="The chosen set, in the order it was chosen.")
+    steps: list[SelectionStep]
 
 
 class DiscoveredContext(BaseModel):
@@ -320,6 +374,8 @@ class DiscoverResponse(BaseModel):
     topic: MassSummary
     contrast: MassSummary
     prototypes: list[DiscoveredPrototype]
+    selection: EffectSelection | None = Field(None, description="With `select: effect`: the set chosen by its "
+                                                                "measured effect.")
 
 
 # ---------------------------------------------------------------------------- health

@@ -1,7 +1,8 @@
 """The LDS levers' measurements rest on two facts checked here on the tiny index: the last block's
 projection gradients of one batch are each token's own gradient (``delta_t h_t^T``, as autograd gives
-it for that token's loss alone), and the per-document aggregations over contiguous token runs equal
-their direct definitions."""
+it for that token's loss alone), the per-document aggregations over contiguous token runs equal
+their direct definitions, and the true Fisher's closed-form diagonal is the expectation of ``u u^T``
+over targets drawn from the model's prediction."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from bench.attribution.levers import ProjectionCurvature, Segments, projection_grads
+from bench.attribution.levers import ProjectionCurvature, Segments, projection_grads, true_fisher_diag
 from prism_tda.engine import Attributor
 
 
@@ -61,3 +62,16 @@ def test_segment_aggregations_match_their_definitions():
         assert top == pytest.approx(pos.sum() + neg.sum())
     with pytest.raises(AssertionError):
         Segments(docs[::-1].copy(), 9)
+
+
+def test_true_fisher_diagonal_is_the_expectation_over_predicted_targets():
+    torch.manual_seed(0)
+    V, d = 11, 5
+    W, z = torch.randn(V, d), torch.randn(3, d)
+    Q = torch.linalg.qr(torch.randn(d, d))[0]
+    got = true_fisher_diag(z, W, Q)
+    p = torch.softmax(z.double() @ W.double().T, -1)
+    for t in range(3):  # sum over every target y of p(y) (Q^T u_y)^2, u_y = W^T (p - e_y)
+        u = (p[t][None, :] - torch.eye(V, dtype=torch.float64)) @ W.double()  # (V, d): one row per y
+        want = (p[t][:, None] * (u @ Q.double()).pow(2)).sum(0)
+        assert torch.allclose(got[t].double(), want, rtol=1e-5, atol=1e-7)

@@ -139,3 +139,41 @@ def test_label_windows_widen_to_whole_words(tiny_ckpt):
         assert got in text.split(), (pieces, c, got)  # exactly one whole word
         a, b = word_window(tok, ids, c, c + 1, most=1)  # the widening is bounded
         assert c - a <= 1 and b - (c + 1) <= 1
+
+
+def test_selection_by_effect_is_greedy_on_the_measured_losses(tiny_ckpt):
+    import math
+
+    import torch
+    import torch.nn.functional as F
+
+    from prism_tda.engine.steering import EffectTexts, select_by_effect
+    from prism_tda.model.checkpoint import load_checkpoint
+
+    model, tok, _ = load_checkpoint(tiny_ckpt)
+    enc = lambda ts: [tok.encode(t).ids for t in ts]  # noqa: E731
+    texts = EffectTexts.of(model, (enc(["The picture of a computer screen.", "A computer program runs."]),
+                                   enc(["It was a long time ago.", "She said nothing at all."]),
+                                   enc(["Never trust a man who laughs.", "Life is what happens to you."])))
+    # the cached losses are the model's own, with and without scaling
+    ids = enc(["The picture of a computer screen."])[0]
+    x = torch.tensor([ids[:-1]])
+    with torch.no_grad():
+        own = F.cross_entropy(model(x).logits[0], torch.tensor(ids[1:]))
+        scaled = F.cross_entropy(model(x, suppress=torch.tensor([1, 2]), alpha=0.5).logits[0], torch.tensor(ids[1:]))
+    one = EffectTexts.of(model, (enc(["The picture of a computer screen."]), [], []))
+    assert float(one.nll(model, [])[0]) == pytest.approx(float(own), rel=1e-5)
+    assert float(one.nll(model, [1, 2], 0.5)[0]) == pytest.approx(float(scaled), rel=1e-5)
+    assert math.isnan(float(one.nll(model, [])[1]))
+    # the first step is the best single candidate by effect among those within the perplexity bound
+    cands = list(range(12))
+    base = texts.nll(model, [])
+    single = {c: (texts.nll(model, [c]) - base).tolist() for c in cands}
+    allowed = {c: d[0] - d[1] for c, d in single.items() if math.exp(d[2]) <= 1.05}
+    steps = select_by_effect(model, texts, cands, budget=3, max_ppl_ratio=1.05)
+    assert steps and steps[0].proto_id == max(allowed, key=allowed.get)
+    assert steps[0].effect == pytest.approx(allowed[steps[0].proto_id])
+    assert all(s.contrast_ppl_ratio <= 1.05 for s in steps) and len(steps) <= 3
+    assert all(b.effect > a.effect for a, b in zip(steps, steps[1:]))  # each step raises the effect
+    with pytest.raises(QueryError):
+        EffectTexts.of(model, ([], [], enc(["Never trust a man."])))

@@ -26,6 +26,16 @@ def test_discover_from_sql_texts_and_ids(client):
     ids = [row[0] for row in client.post("/v1/sql", json={"sql": sql}).json()["rows"]]
     again = client.post("/v1/prototypes/discover", json={"topic": {"doc_ids": ids}, "top_n": 8}).json()
     assert [p["proto_id"] for p in again["prototypes"]] == [p["proto_id"] for p in protos]
+    assert again["selection"] is None
+    # selection by measured effect: from the ranked ones, within its budget, each step raising the effect
+    sel = client.post("/v1/prototypes/discover", json={"topic": {"doc_ids": ids}, "top_n": 8, "select": "effect",
+                                                       "max_selected": 3, "max_ppl_ratio": 1.5}).json()["selection"]
+    assert sel["rule"] == "effect" and sel["budget"] == 3 and sel["candidates"] == len(protos)
+    assert 0 < len(sel["prototypes"]) <= 3 and set(sel["prototypes"]) <= {p["proto_id"] for p in protos}
+    assert sel["prototypes"] == [st["proto_id"] for st in sel["steps"]] and sel["topic_tokens"] > 0
+    effects = [st["effect"] for st in sel["steps"]]
+    assert effects == sorted(effects) and all(st["contrast_ppl_ratio"] <= 1.5 for st in sel["steps"])
+    assert "sampled from the rest of the corpus" in sel["contrast"]
     # pasted texts, against pasted contrast texts
     texts = [d["text"] for d in client.get("/v1/documents", params={"ids": ",".join(map(str, ids[:20]))}).json()["documents"]]
     r = client.post("/v1/prototypes/discover", json={"topic": {"texts": texts}, "min_docs": 1,
@@ -45,6 +55,8 @@ def test_discover_from_sql_texts_and_ids(client):
 
 def test_discover_refuses_what_cannot_work(client):
     url = "/v1/prototypes/discover"
+    assert_problem(client.post(url, json={"topic": {"texts": ["a b c"]}, "select": "best"}), 422, "validation-error",
+                   mentions="select")
     assert_problem(client.post(url, json={"topic": {}}), 422, "validation-error", mentions="exactly one")
     assert_problem(client.post(url, json={"topic": {"texts": ["a b c"], "doc_ids": [1]}}), 422, "validation-error")
     assert_problem(client.post(url, json={"topic": {"sql": "SELECT external_id FROM documents LIMIT 3"}}), 422,

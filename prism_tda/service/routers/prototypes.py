@@ -80,14 +80,18 @@ async def discover_prototypes(body: DiscoverRequest, request: Request, services:
     """Rank prototypes by how specifically they carry a topic: example texts, documents, or a SQL filter of
     documents, against a contrast (default: the rest of the corpus). Each comes with its evidence (support,
     ratio, share of the topic's mass, strongest topic contexts); save the chosen ones with
-    `PUT /v1/prototype-sets/{name}`. (`POST /v1/prototype-sets/discover`, its earlier address, still answers.)"""
+    `PUT /v1/prototype-sets/{name}`. With `select: "effect"`, the model also measures what suppressing them
+    does and picks the set that most raises its loss on the topic relative to the contrast, within a
+    budget of prototypes and of contrast perplexity (`selection`). (`POST /v1/prototype-sets/discover`, its
+    earlier address, still answers.)"""
     ix = services.registry.get(body.index)
     topic = await _doc_ids(services, ix, body.topic, "topic", principal)
     contrast = await _doc_ids(services, ix, body.contrast, "contrast", principal)
     out = await services.run_cancellable(
         request, ix, ix.discover, topic=topic, contrast=contrast, top_n=body.top_n, min_support=body.min_support,
         min_docs=body.min_docs, smoothing=body.smoothing, include_untrained=body.include_untrained,
-        contexts=body.contexts, measure=body.measure, max_tokens=services.settings.discover_max_tokens)
+        contexts=body.contexts, measure=body.measure, max_tokens=services.settings.discover_max_tokens,
+        select=body.select, max_selected=body.max_selected, max_ppl_ratio=body.max_ppl_ratio)
     return DiscoverResponse(index=ix.name, **out)
 
 
