@@ -169,3 +169,25 @@ def test_demo_rebuilds_an_index_of_another_config(index, tmp_path):
     assert (copy / "manifest.json").is_file()
     _drop_outdated_index(copy, index_cfg(damping_scope="global", damping=1.0))
     assert not copy.exists()
+
+
+def test_control_fit_eval_and_generate_with_it(index, tmp_path, capsys):
+    out = tmp_path / "ctrl.json"
+    args = ["--index", str(index), "--items", "120", "--ending-tokens", "4", "--json"]
+    assert main(["control", "fit", *args, "--out", str(out), "--steps", "30", "--l1", "0.05", "--no-progress"]) == 0
+    rep = json.loads(capsys.readouterr().out)
+    held = rep["heldout"]
+    assert held["items"] > 10 and held["chance"] == 0.25 and 0 <= held["accuracy_base"] <= 1
+    assert rep["prototypes"] == len(json.loads(out.read_text())["alpha"]) > 0
+    assert all(w["alpha"] >= 0 and w["alpha"] != 1 for w in rep["weights"])
+    assert main(["control", "eval", *args, "--controller", str(out)]) == 0
+    ev = json.loads(capsys.readouterr().out)
+    assert ev["accuracy_controller"] == held["accuracy_controller"] and ev["items"] == held["items"]
+    ckpt = json.loads((index / "manifest.json").read_text())["checkpoint"]
+    assert main(["generate", "--checkpoint", ckpt, "--prompt", "The", "--max-new-tokens", "4", "--json",
+                 "--controller", str(out), "--compare"]) == 0
+    gen = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert "default_completion" in gen
+    out.write_text("{}")
+    assert main(["control", "eval", *args, "--controller", str(out)]) == 2
+    assert "ctrl.json" in capsys.readouterr().err

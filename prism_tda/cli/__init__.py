@@ -1,8 +1,8 @@
 """The ``prism`` command line: one entry point, one sub-command per job.
 
 Each module holds its commands and their parsers: ``train`` (train, generate, index), ``query``
-(attribute, discover, sql), ``serve`` (demo, serve, openapi, settings-doc), ``export`` (export). The
-commands are thin: they parse, call the library, and print.
+(attribute, discover, sql), ``serve`` (demo, serve, openapi, settings-doc), ``export`` (export),
+``control`` (control fit, control eval). The commands are thin: they parse, call the library, and print.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import sys
 from prism_tda.errors import PrismError
 from prism_tda.logs import setup_logging
 
-from . import export, query, serve, train
+from . import control, export, query, serve, train
 from .common import default_state_dir, index_args
 from .train import PRESETS, build_configs
 
@@ -26,7 +26,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--log-format", choices=["text", "json"],
                    help="json: one object per line (default for `serve`); text: for terminals (default otherwise)")
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    for module in (train, query, serve, export):
+    for module in (train, query, serve, export, control):
         module.register(sub)
     return p
 

@@ -160,6 +160,10 @@ def steering_of(args: argparse.Namespace) -> dict[int, float]:
     from prism_tda.errors import QueryError
 
     terms = ([(args.suppress, args.alpha)] if args.suppress else []) + list(args.steer or [])
+    if args.controller:
+        from prism_tda.engine.control import Controller
+
+        terms += [([i], a) for i, a in Controller.load(args.controller).weights().items()]
     scale: dict[int, float] = {}
     for ids, alpha in terms:
         for i in ids:
@@ -274,7 +278,9 @@ def register(sub: Any) -> None:
                    help="strength of --suppress: 0 removes them, 1 leaves the model as it is, above 1 boosts")
     g.add_argument("--steer", type=steer_term, action="append", metavar="IDS=ALPHA",
                    help="more prototypes at their own strength, e.g. 3,17,42=0.5 (repeatable)")
-    g.add_argument("--compare", action="store_true", help="with --suppress/--steer: also the model's own output")
+    g.add_argument("--controller", help="a controller file of `prism control fit`: its strength per prototype")
+    g.add_argument("--compare", action="store_true", help="with --suppress/--steer/--controller: also the model's "
+                                                          "own output")
     g.add_argument("--json", action="store_true", help="one JSON object per prompt")
     g.set_defaults(fn=cmd_generate)
 

@@ -81,6 +81,12 @@ class GenerateRequest(Strict):
     steer: Annotated[list[SteerTerm], Field(max_length=MAX_STEER)] | None = Field(
         None, description="More prototype sets, each at its own strength (a slider per set). A prototype may "
                           "appear in several terms only with the same alpha.")
+    prototype_alphas: Annotated[dict[Annotated[str, Field(pattern=r"^[0-9]{1,10}$")],
+                                     Annotated[JFloat, Field(ge=0.0, le=MAX_ALPHA)]],
+                                Field(max_length=MAX_LIST)] | None = Field(
+        None, description="A strength per prototype id, e.g. a controller of `prism control fit` (its file's "
+                          "`alpha`). Applied after `suppress` and `steer`, with the same rule for a prototype "
+                          "given twice.")
 
 
 class SteerApplied(BaseModel):

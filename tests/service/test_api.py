@@ -135,6 +135,13 @@ def test_prototype_sets_and_generation_with_suppression(client):
     both = client.post(url, json={**body, "suppress": [1, 2], "alpha": 0.5,
                                   "steer": [{"prototypes": [3], "alpha": 2.5}, {"prototypes": [2], "alpha": 0.5}]}).json()
     assert [t["alpha"] for t in both["steered"]] == [0.5, 2.5, 0.5] and both["suppressed"] == [1, 2]
+    ctrl = client.post(url, json={**body, "prototype_alphas": {"3": 2.5, "1": 0.5}, "suppress": [1, 2], "alpha": 0.5,
+                                  "steer": [{"prototypes": [3], "alpha": 2.5}]}).json()
+    assert ctrl["token_ids"] == both["token_ids"]  # the same strengths, given per prototype
+    assert_problem(client.post(url, json={**body, "prototype_alphas": {"40": 1.0}}), 422, "invalid-prototype",
+                   mentions="prototype_alphas")
+    assert_problem(client.post(url, json={**body, "prototype_alphas": {"x": 1.0}}), 422, "validation-error",
+                   mentions="prototype_alphas")
     assert_problem(client.post(url, json={**body, "suppress": [1, 2], "steer": [{"prototypes": [2], "alpha": 3}]}),
                    422, "invalid-query", mentions="steer[0]")
     assert_problem(client.post(url, json={**body, "steer": [{"prototypes": [40], "alpha": 0}]}), 422,

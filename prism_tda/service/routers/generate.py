@@ -38,6 +38,11 @@ async def generate(body: GenerateRequest, services: ServicesDep, principal: Prin
     for i, term in enumerate(body.steer or []):
         ids, name = await resolve(term.prototypes, f"steer[{i}].prototypes")
         terms.append((f"steer[{i}]", SteerApplied(prototypes=sorted(set(ids)), set=name, alpha=term.alpha)))
+    if body.prototype_alphas:
+        alphas = {int(k): v for k, v in body.prototype_alphas.items()}
+        ix.check_prototypes(sorted(alphas), "prototype_alphas")
+        for pid in sorted(alphas):
+            terms.append(("prototype_alphas", SteerApplied(prototypes=[pid], set=None, alpha=alphas[pid])))
     scale: dict[int, float] = {}
     for field, t in terms:
         for pid in t.prototypes:
