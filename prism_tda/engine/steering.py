@@ -312,7 +312,8 @@ def select_by_effect(model: PRISM, texts: EffectTexts, candidates: list[int], *,
     effect at strength ``alpha``: each step adds the candidate that most raises the topic's next-token loss
     relative to the other text's (group 1; the contrast's when group 1 is empty), among those that keep
     the contrast's perplexity within ``max_ppl_ratio`` of the unscaled model's; it stops at the budget or
-    when no candidate raises the effect further. ``stop``: checked before each candidate (``Cancelled``)."""
+    when no candidate raises the effect further (so a set is never chosen whose effect is not positive).
+    ``stop``: checked before each candidate (``Cancelled``)."""
     base = texts.nll(model, [], alpha)
     other = 1 if not bool(torch.isnan(base[1])) else 2
     chosen: list[int] = []
@@ -336,7 +337,7 @@ def select_by_effect(model: PRISM, texts: EffectTexts, candidates: list[int], *,
                 bar.update()
             if ratio <= max_ppl_ratio and (best is None or step.effect > best.effect):
                 best = step
-        if best is None or (steps and best.effect <= steps[-1].effect):
+        if best is None or best.effect <= (steps[-1].effect if steps else 0.0):
             break
         chosen.append(best.proto_id)
         steps.append(best)

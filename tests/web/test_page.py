@@ -255,6 +255,16 @@ def test_steer_discover_save_and_compare(page, web_live):
                      json={"topic": {"sql": "SELECT doc_id FROM documents WHERE external_id LIKE 'art/%'"}, "top_n": 20},
                      timeout=120).json()
     assert ticked == [p["proto_id"] for p in api["prototypes"]][: len(ticked)]
+    # chosen by measured effect: the boxes ticked are the API's selection
+    page.check("#steer-effect")
+    page.get_by_role("button", name="Discover").click()
+    page.locator("#steer-selection").wait_for()
+    chosen = sorted(int(b.get_attribute("value")) for b in page.locator("#steer-found tbody input:checked").all())
+    sel = httpx.post(web_live.url + "/v1/prototypes/discover",
+                     json={"topic": {"sql": "SELECT doc_id FROM documents WHERE external_id LIKE 'art/%'"}, "top_n": 20,
+                           "select": "effect"}, timeout=120).json()["selection"]
+    assert chosen == sorted(sel["prototypes"])
+    page.uncheck("#steer-effect")
     # the default name is this page's own (two users saving with the defaults do not collide)
     default = page.input_value("#steer-name")
     assert re.fullmatch(r"topic-[0-9a-f]{6}", default), default

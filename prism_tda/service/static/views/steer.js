@@ -19,13 +19,16 @@ export async function render(root, { params }) {
   const filter = h("input", { id: "steer-sql", type: "text", spellcheck: "false", value: params.get("sql") || "",
     placeholder: "SELECT doc_id FROM documents WHERE external_id LIKE 'zippy/%'" });
   const topN = h("input", { id: "steer-top", type: "number", min: 1, max: 200, value: 20 });
+  const byEffect = h("input", { id: "steer-effect", type: "checkbox" });
   const submit = h("button", { type: "submit", class: "primary" }, "Discover");
   const status = h("p", { class: "status", role: "status" });
   const found = h("div", { id: "steer-found" });
   const form = h("form", { class: "card form", "aria-label": "Topic" },
     field("Example texts of the topic", examples, "Or leave empty and pick training documents with SQL below."),
     field("or training documents (SQL returning doc_id)", filter),
-    h("div", { class: "row" }, field("Prototypes to show", topN), submit, status));
+    h("div", { class: "row" }, field("Prototypes to show", topN),
+      h("label", { class: "check", for: "steer-effect" }, byEffect, " tick the set chosen by its measured effect " +
+        "(the model measures what suppressing them does; slower)"), submit, status));
   root.append(h("h1", {}, "Steer"),
     h("p", { class: "lede" }, "Find the prototypes that carry a topic (more activation per token on the examples than " +
       "on the rest of the corpus), save them as a set, and see what generation does without them."), form, found);
@@ -42,13 +45,26 @@ export async function render(root, { params }) {
     await busy(submit, status, "Discovering…", async () => {
       try {
         const res = await api("POST", "/v1/prototypes/discover",
-          { body: { topic, top_n: Number(topN.value), min_docs: texts.length === 1 ? 1 : 2 } });
+          { body: { topic, top_n: Number(topN.value), min_docs: texts.length === 1 ? 1 : 2,
+            ...(byEffect.checked ? { select: "effect" } : {}) } });
         showFound(found, res);
       } catch (err) {
         clear(found, errorBox(err));
       }
     });
   });
+}
+
+function selectionText(sel) {
+  if (!sel.prototypes.length) {
+    return `No prototype raised the topic's loss more than the contrast's within ×${num(sel.max_ppl_ratio, 2)} ` +
+      "contrast perplexity: nothing ticked.";
+  }
+  const last = sel.steps[sel.steps.length - 1];
+  return `Ticked by measured effect: ${sel.prototypes.length} of ${sel.candidates} (budget ${sel.budget}). With them ` +
+    `suppressed, the topic's loss rises by ${num(last.topic_loss_increase, 3)} nats per token and the contrast's by ` +
+    `${num(last.contrast_loss_increase, 3)} (effect ${num(last.effect, 3)}; contrast perplexity ×` +
+    `${num(last.contrast_ppl_ratio, 3)}; contrast: ${sel.contrast}; ${num(sel.seconds, 1)} s).`;
 }
 
 function context(c) {
@@ -62,8 +78,9 @@ function showFound(out, res) {
       "give more or longer examples."));
     return;
   }
+  const picked = res.selection ? new Set(res.selection.prototypes) : null;
   const boxes = res.prototypes.map((p, i) => h("input", { type: "checkbox", value: String(p.proto_id),
-    checked: i < PICKED, "aria-label": `use prototype ${p.proto_id}` }));
+    checked: picked ? picked.has(p.proto_id) : i < PICKED, "aria-label": `use prototype ${p.proto_id}` }));
   const rows = res.prototypes.map((p, i) => [boxes[i], protoLink(p.proto_id), p.label || "", `${num(p.ratio, 2)}×`,
     pct(p.topic_share, 1), String(p.topic_support), String(p.topic_docs), context(p.contexts[0])]);
   const name = h("input", { id: "steer-name", type: "text", required: true, pattern: "[A-Za-z0-9_.\\-]{1,64}", value: defaultSetName() });
@@ -86,6 +103,7 @@ function showFound(out, res) {
   clear(out,
     h("p", { class: "muted", id: "steer-summary" }, `Topic: ${res.topic.tokens} tokens of ${res.topic.documents} ` +
       `${res.topic.source}; against ${res.contrast.source} (${res.contrast.tokens} tokens).`),
+    res.selection ? h("p", { id: "steer-selection" }, selectionText(res.selection)) : null,
     table(["use", "prototype", "label", "ratio", "share of topic", "tokens", "docs", "strongest topic context"], rows),
     h("div", { class: "card" }, saveForm), genForm, genOut);
 
