@@ -3,11 +3,11 @@ model alone, with a controller, and with a controller of the same size on random
 hidden state.
 
 The task: items from the index's trained documents (an opening and four endings of ``--ending-tokens``
-tokens, one its own, three of other documents of the same part), split by document: 70% to fit, 30%
-held out. The L1 penalty is chosen on a validation quarter of the fitting items (grid ``--l1``), then the
-controller is fitted on all fitting items with it and evaluated once on the held-out items; the random-
-direction baseline gets as many directions as the controller has prototypes, the same penalty, steps and
-learning rate. Intervals: 95% bootstrap over held-out items, paired for the gains.
+tokens, one its own, three of other documents of the same part), split by document: half to fit, half
+held out (``--heldout``). The L1 penalty is chosen on a validation quarter of the fitting items (grid
+``--l1``), then the controller is fitted on all fitting items with it and evaluated once on the
+held-out items; the random-direction baseline gets as many directions as the controller has
+prototypes, the same penalty, steps and learning rate. Intervals: 95% bootstrap over held-out items, paired for the gains.
 
     python -m bench.control --index runs/demo_idle/index
 
@@ -31,10 +31,11 @@ from prism_tda.engine.control import ChoiceCache, bootstrap, fit, fit_random, in
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--index", default="runs/demo_idle/index")
-    ap.add_argument("--items", type=int, default=1200)
+    ap.add_argument("--items", type=int, default=2000)
+    ap.add_argument("--heldout", type=float, default=0.5, help="share of the items held out (by document)")
     ap.add_argument("--ending-tokens", type=int, default=8)
     ap.add_argument("--l1", type=float, nargs="+", default=[0.003, 0.01, 0.03])
-    ap.add_argument("--steps", type=int, default=200)
+    ap.add_argument("--steps", type=int, default=150)
     ap.add_argument("--lr", type=float, default=0.05)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default="bench/results/control.json")
@@ -44,7 +45,8 @@ def main(argv: list[str] | None = None) -> dict:
     att = Attributor.open(args.index)
     model = att.model
     K = model.head.n_prototypes
-    task = index_task(args.index, att.tokenizer, ending_tokens=args.ending_tokens, max_items=args.items, seed=args.seed)
+    task = index_task(args.index, att.tokenizer, ending_tokens=args.ending_tokens, max_items=args.items,
+                      heldout=args.heldout, seed=args.seed)
     n_val = len(task.train) // 4
     fit_items, val_items = task.train[n_val:], task.train[:n_val]
     c_fit, c_val = ChoiceCache.of(model, fit_items), ChoiceCache.of(model, val_items)
