@@ -237,7 +237,8 @@ def plot(res: dict, path: Path) -> None:
         pts = sorted([(0.0, res["topic_rate_suppressed"] if name == "headline" else
                        res["select_effect"]["heldout"]["topic_rate"]), (1.0, res["topic_rate_base"])]
                      + [(r["alpha"], r["topic_rate"]) for r in rows])
-        ax[2].plot([x for x, _ in pts], [y for _, y in pts], "o-", label=f"{name} set")
+        names = {"headline": f"discovered top {res['headline_size']}", "selected": "selected by effect"}
+        ax[2].plot([x for x, _ in pts], [y for _, y in pts], "o-", label=names.get(name, name))
     ax[2].set_xlabel("strength alpha (0 removes, 1 unchanged, > 1 boosts)")
     ax[2].set_ylabel("topic rate of generations")
     ax[2].legend()
