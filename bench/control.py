@@ -34,7 +34,8 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--items", type=int, default=2000)
     ap.add_argument("--heldout", type=float, default=0.5, help="share of the items held out (by document)")
     ap.add_argument("--ending-tokens", type=int, default=8)
-    ap.add_argument("--l1", type=float, nargs="+", default=[0.003, 0.01, 0.03])
+    ap.add_argument("--l1", type=float, nargs="+", default=[0.1, 0.2, 0.4],
+                    help="L1 penalties to choose from, relative to the largest gradient at the start")
     ap.add_argument("--steps", type=int, default=150)
     ap.add_argument("--lr", type=float, default=0.05)
     ap.add_argument("--seed", type=int, default=0)

@@ -221,6 +221,10 @@ def test_suppression_through_the_hf_model_equals_ours(hf, tiny):
     with pytest.raises(ValueError, match="alpha"):
         with m.suppress(sup, alpha=-1.0):
             pass
+    with torch.no_grad(), m.steer({sup[0]: 1.5, sup[1]: 0.5}):  # a strength per prototype (a controller)
+        per = m(x).logits
+    want = model(x, suppress=torch.tensor(sup[:2]), alpha=torch.tensor([1.5, 0.5])).logits
+    assert torch.allclose(per, want, atol=1e-6) and m.prototype_alphas == {}
 
 
 # ---------------------------------------------------------------------------------------------- export

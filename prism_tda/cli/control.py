@@ -102,8 +102,10 @@ def register(sub: Any) -> None:
     f = cs.add_parser("fit", help="fit a controller on the task's training items and report the held-out ones")
     task_args(f)
     f.add_argument("--out", required=True, help="controller file to write (JSON)")
-    f.add_argument("--l1", type=float, default=0.01, help="L1 penalty on alpha - 1 (larger: fewer prototypes)")
-    f.add_argument("--steps", type=int, default=200)
+    f.add_argument("--l1", type=float, default=0.2,
+                   help="L1 penalty on alpha - 1, relative to the largest gradient at the start (larger: fewer "
+                        "prototypes; a prototype whose gradient stays below this share of it is left at 1)")
+    f.add_argument("--steps", type=int, default=150)
     f.add_argument("--lr", type=float, default=0.05)
     f.add_argument("--no-progress", action="store_true")
     f.set_defaults(fn=cmd_fit)

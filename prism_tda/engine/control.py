@@ -13,8 +13,9 @@ and four candidate endings of the same number of tokens, its own and three of ot
 ending's score is the log-probability the model gives its tokens after the opening; the answer is the
 best-scoring ending.
 
-**The fit** (``fit``): ``alpha = 1 + c`` with ``c`` L1-penalised (sparse) and ``c >= -1``, by Adam on
-the softmax over the four endings' scores of each training item (cross-entropy on the true one). The
+**The fit** (``fit``): ``alpha = 1 + c`` with ``c`` L1-penalised (sparse) and ``c >= -1``, by proximal
+gradient descent on the softmax over the four endings' mean log-probabilities per token of each
+training item (cross-entropy on the true one); ``l1`` is relative to the largest gradient at ``c = 0``. The
 backbone does not change with ``c``, so every ending token's final hidden state and active prototypes
 are computed once (``ChoiceCache``) and the fit touches only the head's mixing and the unembedding.
 
@@ -91,6 +92,7 @@ class ChoiceCache:
     n_items: int
     n_choices: int
     answers: torch.Tensor  # (n_items,)
+    lengths: torch.Tensor  # (n_items, n_choices) tokens of each ending
 
     @classmethod
     @torch.no_grad()
@@ -119,8 +121,10 @@ class ChoiceCache:
             ps.append(tb.proto_idx)
             acts.append(tb.acts.float())
             sl.append(torch.as_tensor([slots[i] for i in chunk])[tb.row])
-        return cls(torch.cat(zs), torch.cat(ys), torch.cat(ps), torch.cat(acts), torch.cat(sl), len(items), n_choices,
-                   torch.tensor([it.answer for it in items]))
+        slot = torch.cat(sl)
+        lengths = torch.bincount(slot, minlength=len(items) * n_choices).float().view(len(items), n_choices)
+        return cls(torch.cat(zs), torch.cat(ys), torch.cat(ps), torch.cat(acts), slot, len(items), n_choices,
+                   torch.tensor([it.answer for it in items]), lengths.clamp_min(1.0))
 
     def scores(self, model: PRISM, shift: Callable[[slice], torch.Tensor] | None = None,
                chunk: int = 8192) -> torch.Tensor:
@@ -202,27 +206,34 @@ def _prototype_shift(model: PRISM, cache: ChoiceCache, c: torch.Tensor) -> Calla
 
 def _fit(score: Callable[[torch.Tensor], torch.Tensor], cache: ChoiceCache, n: int, l1: float, steps: int,
          lr: float, progress: bool, desc: str) -> torch.Tensor:
-    """(n,) weights minimising the cross-entropy of the true endings + l1 |w|, with w >= -1 (Adam, then a
-    proximal step for the L1 term, so weights reach exactly 0)."""
+    """(n,) weights minimising ``L(w) + lam |w|_1`` with ``w >= -1``, by proximal gradient descent (ISTA):
+    ``L`` is the cross-entropy of the true endings, each ending scored by its mean log-probability per
+    token. Scale-free settings: the step is ``lr / g`` and ``lam = l1 g``, with ``g`` the largest
+    gradient at ``w = 0``; so the first step moves the strongest weight by ``lr``, and a weight whose
+    gradient stays below ``l1`` times that never leaves 0."""
     w = torch.zeros(n, requires_grad=True)
-    opt = torch.optim.Adam([w], lr=lr)
+
+    def loss_at(w: torch.Tensor) -> torch.Tensor:
+        return F.cross_entropy(score(w) / cache.lengths, cache.answers)
+
+    g0 = torch.autograd.grad(loss_at(w), w)[0].abs().max()
+    if not float(g0) > 0:
+        return w.detach()
+    eta, lam = lr / float(g0), l1 * float(g0)
     it = range(steps)
     if progress:
         from tqdm.auto import tqdm
 
         it = tqdm(it, desc=desc, unit="step")
     for _ in it:
-        opt.zero_grad()
-        loss = F.cross_entropy(score(w), cache.answers)
-        loss.backward()
-        opt.step()
-        with torch.no_grad():  # soft threshold (the L1 term's proximal step), then w >= -1
-            w.copy_(torch.sign(w) * (w.abs() - lr * l1).clamp_min(0.0))
-            w.clamp_(min=-1.0)
+        grad = torch.autograd.grad(loss_at(w), w)[0]
+        with torch.no_grad():  # a gradient step, the L1 term's soft threshold, then w >= -1
+            v = w - eta * grad
+            w.copy_((torch.sign(v) * (v.abs() - eta * lam).clamp_min(0.0)).clamp_min(-1.0))
     return w.detach()
 
 
-def fit(model: PRISM, cache: ChoiceCache, *, l1: float = 0.01, steps: int = 200, lr: float = 0.05,
+def fit(model: PRISM, cache: ChoiceCache, *, l1: float = 0.2, steps: int = 150, lr: float = 0.05,
         progress: bool = False) -> Controller:
     """A sparse controller fitted on ``cache``'s items (module docstring)."""
     if model.head is None:
@@ -233,11 +244,12 @@ def fit(model: PRISM, cache: ChoiceCache, *, l1: float = 0.01, steps: int = 200,
     return Controller(1.0 + c, {"l1": l1, "steps": steps, "lr": lr, "items": cache.n_items})
 
 
-def fit_random(model: PRISM, cache: ChoiceCache, n_dirs: int, *, l1: float = 0.01, steps: int = 200,
+def fit_random(model: PRISM, cache: ChoiceCache, n_dirs: int, *, l1: float = 0.2, steps: int = 150,
                lr: float = 0.05, seed: int = 0, progress: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """The baseline: ``n_dirs`` random orthonormal directions R of the final hidden state and weights w,
     the hidden state becoming ``z + R diag(w) R^T z``; returns (R, w)."""
     d = cache.z.shape[1]
+    n_dirs = min(n_dirs, d)  # at most the hidden state's dimension
     g = torch.Generator().manual_seed(seed)
     R, _ = torch.linalg.qr(torch.randn(d, max(n_dirs, 1), generator=g))
     R = R[:, :n_dirs]

@@ -258,6 +258,8 @@ class EffectTexts:
     z: torch.Tensor  # (N, d)
     y: torch.Tensor  # (N,) next-token targets
     group: torch.Tensor  # (N,) 0, 1 or 2
+    proto_idx: torch.Tensor  # (N, k) the active prototypes
+    acts: torch.Tensor  # (N, k) their activations
 
     @classmethod
     @torch.no_grad()
@@ -265,7 +267,7 @@ class EffectTexts:
            batch_size: int = 16) -> EffectTexts:
         """Token ids per group, each text cut into windows of the model's context."""
         T = model.cfg.block_size
-        zs, ys, gs = [], [], []
+        zs, ys, gs, ps, acts = [], [], [], [], []
         for g, texts in enumerate(groups):
             windows = [ids[s : s + T + 1] for ids in texts for s in range(0, max(len(ids) - 1, 1), T)]
             windows = [w for w in windows if len(w) > 1]
@@ -275,9 +277,11 @@ class EffectTexts:
                 zs.append(tb.z.float())
                 ys.append(tb.targets)
                 gs.append(torch.full((len(tb.targets),), g, dtype=torch.long))
+                ps.append(tb.proto_idx)
+                acts.append(tb.acts.float())
         if not any(len(t) for t in groups[0]):
             raise QueryError("selection by effect needs topic text of at least 2 tokens")
-        return cls(torch.cat(zs), torch.cat(ys), torch.cat(gs))
+        return cls(torch.cat(zs), torch.cat(ys), torch.cat(gs), torch.cat(ps), torch.cat(acts))
 
     @torch.no_grad()
     def nll(self, model: PRISM, ids: list[int], alpha: float = 0.0, chunk: int = 4096) -> torch.Tensor:
@@ -314,33 +318,65 @@ def select_by_effect(model: PRISM, texts: EffectTexts, candidates: list[int], *,
     the contrast's perplexity within ``max_ppl_ratio`` of the unscaled model's; it stops at the budget or
     when no candidate raises the effect further (so a set is never chosen whose effect is not positive).
     ``stop``: checked before each candidate (``Cancelled``)."""
-    base = texts.nll(model, [], alpha)
-    other = 1 if not bool(torch.isnan(base[1])) else 2
-    chosen: list[int] = []
-    steps: list[EffectStep] = []
-    pool = list(dict.fromkeys(int(c) for c in candidates))
-    bar = None
-    if progress:
-        from tqdm.auto import tqdm
+    # Scaling a set adds sum_{i in S & K_t} (alpha - 1) a_{t,i} p_i to z_t: additive over the set's members,
+    # and a member changes only the tokens where it is active. So each step keeps every token's current
+    # hidden state and loss, and a candidate costs one unembedding of its own tokens, not of all of them.
+    assert model.head is not None
+    W, P = model.W.float(), model.head.prototypes.float()
 
-        bar = tqdm(total=budget * len(pool), desc="select by effect", unit="set")
-    for _ in range(budget):
-        best: EffectStep | None = None
+    def losses(z: torch.Tensor, y: torch.Tensor, chunk: int = 4096) -> torch.Tensor:
+        return torch.cat([torch.nn.functional.cross_entropy(z[b : b + chunk] @ W.T, y[b : b + chunk], reduction="none")
+                          for b in range(0, len(y), chunk)]).double() if len(y) else torch.zeros(0, dtype=torch.float64)
+
+    def group_sums(rows_group: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+        return torch.zeros(3, dtype=torch.float64).index_add_(0, rows_group, values)
+
+    with torch.no_grad():
+        z_cur = texts.z.float().clone()
+        loss_cur = losses(z_cur, texts.y)
+        n = torch.bincount(texts.group, minlength=3).double()
+        n = n.where(n > 0, torch.tensor(float("nan"), dtype=torch.float64))
+        sums = group_sums(texts.group, loss_cur)
+        base = sums / n
+        other = 1 if not bool(torch.isnan(base[1])) else 2
+        chosen: list[int] = []
+        steps: list[EffectStep] = []
+        pool = list(dict.fromkeys(int(c) for c in candidates))
+        where = {}
         for c in pool:
-            if c in chosen:
-                continue
-            check_stop(stop, "selection by effect")
-            d = (texts.nll(model, [*chosen, c], alpha) - base).tolist()
-            ratio = math.exp(d[2]) if not math.isnan(d[2]) else 1.0
-            step = EffectStep(c, d[0] - d[other], d[0], d[other], ratio)
-            if bar is not None:
-                bar.update()
-            if ratio <= max_ppl_ratio and (best is None or step.effect > best.effect):
-                best = step
-        if best is None or best.effect <= (steps[-1].effect if steps else 0.0):
-            break
-        chosen.append(best.proto_id)
-        steps.append(best)
-    if bar is not None:
-        bar.close()
+            hit = texts.proto_idx == c
+            rows = hit.any(1).nonzero().flatten()
+            where[c] = (rows, (texts.acts * hit).sum(1)[rows])
+        bar = None
+        if progress:
+            from tqdm.auto import tqdm
+
+            bar = tqdm(total=budget * len(pool), desc="select by effect", unit="set")
+        for _ in range(budget):
+            best: tuple[EffectStep, torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+            for c in pool:
+                if c in chosen:
+                    continue
+                check_stop(stop, "selection by effect")
+                rows, a = where[c]
+                z_new = z_cur[rows] + (alpha - 1.0) * a[:, None] * P[c]
+                loss_new = losses(z_new, texts.y[rows])
+                g = texts.group[rows]
+                new_sums = sums - group_sums(g, loss_cur[rows]) + group_sums(g, loss_new)
+                d = (new_sums / n - base).tolist()
+                ratio = math.exp(d[2]) if not math.isnan(d[2]) else 1.0
+                step = EffectStep(c, d[0] - d[other], d[0], d[other], ratio)
+                if bar is not None:
+                    bar.update()
+                if ratio <= max_ppl_ratio and (best is None or step.effect > best[0].effect):
+                    best = (step, z_new, loss_new, new_sums)
+            if best is None or best[0].effect <= (steps[-1].effect if steps else 0.0):
+                break
+            step, z_new, loss_new, sums = best
+            rows = where[step.proto_id][0]
+            z_cur[rows], loss_cur[rows] = z_new, loss_new
+            chosen.append(step.proto_id)
+            steps.append(step)
+        if bar is not None:
+            bar.close()
     return steps

@@ -135,6 +135,22 @@ class PrismForCausalLM(PreTrainedModel, GenerationMixin):
         finally:
             self._alphas = before
 
+    @contextmanager
+    def steer(self, prototype_alphas: dict[int, float]) -> Iterator[PrismForCausalLM]:
+        """Like :meth:`suppress`, with a strength per prototype: ``{id: alpha}``, e.g. a controller's (the
+        ``alpha`` of a ``prism control fit`` file, keys as ints). Nested blocks multiply."""
+        ids = self._check_prototypes(list(prototype_alphas))
+        alphas = {i: float(prototype_alphas[i]) for i in ids}
+        if any(not (a >= 0.0 and a < float("inf")) for a in alphas.values()):
+            raise ValueError("alpha: must be finite and >= 0")
+        before = dict(self._alphas)
+        for i, a in alphas.items():
+            self._alphas[i] = self._alphas.get(i, 1.0) * a
+        try:
+            yield self
+        finally:
+            self._alphas = before
+
     def _check_prototypes(self, prototype_ids: Iterable[int] | torch.Tensor) -> list[int]:
         if self.prism.head is None:
             raise ValueError("suppress_prototypes: this is the dense baseline, it has no prototypes")

@@ -63,12 +63,12 @@ def test_fit_is_sparse_and_lowers_its_training_loss(setup, tmp_path):
     cache = ChoiceCache.of(model, items[:60])
     with torch.no_grad():
         before = F.cross_entropy(cache.scores(model), cache.answers)
-    ctrl = fit(model, cache, l1=0.05, steps=60, lr=0.05)
+    ctrl = fit(model, cache, l1=0.2, steps=60, lr=0.05)
     with torch.no_grad():
         after = F.cross_entropy(cache.scores(model, ctrl.shift(model, cache)), cache.answers)
     assert float(after) < float(before)
     assert 0 < len(ctrl.prototypes) < model.head.n_prototypes and bool((ctrl.alpha >= 0).all())
-    R, w = fit_random(model, cache, len(ctrl.prototypes), l1=0.05, steps=20)
+    R, w = fit_random(model, cache, len(ctrl.prototypes), l1=0.2, steps=20)
     assert R.shape == (cache.z.shape[1], len(ctrl.prototypes)) and random_scores(model, cache, R, w).shape == (60, 4)
     path = tmp_path / "c.json"
     ctrl.save(path)

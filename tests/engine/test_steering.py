@@ -175,5 +175,9 @@ def test_selection_by_effect_is_greedy_on_the_measured_losses(tiny_ckpt):
     assert steps[0].effect == pytest.approx(allowed[steps[0].proto_id])
     assert all(s.contrast_ppl_ratio <= 1.05 for s in steps) and len(steps) <= 3
     assert all(b.effect > a.effect for a, b in zip(steps, steps[1:]))  # each step raises the effect
+    # the incremental bookkeeping gives the whole set's effect as a fresh pass measures it
+    d = (texts.nll(model, [st.proto_id for st in steps]) - base).tolist()
+    assert steps[-1].effect == pytest.approx(d[0] - d[1], abs=1e-5)
+    assert steps[-1].contrast_ppl_ratio == pytest.approx(math.exp(d[2]), abs=1e-6)
     with pytest.raises(QueryError):
         EffectTexts.of(model, ([], [], enc(["Never trust a man."])))
