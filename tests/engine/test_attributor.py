@@ -73,8 +73,8 @@ def test_fast_path_reranks_exactly_and_finds_the_exact_top(att):
         assert all(d.score <= all_exact[d.doc_id] + 1e-4 * abs(all_exact[d.doc_id]) + 1e-6 for d in part.documents)
         # (the exact top 10 is often a plateau of documents tied to 1e-7, so "in the top" means scoring at
         # least the exact 10th best, within rounding, not being one of the ids the exact path kept)
-        def in_top(docs: list) -> int:
-            return sum(all_exact[d.doc_id] >= tenth - 1e-4 * abs(tenth) for d in docs)
+        def in_top(docs: list, scores: np.ndarray = all_exact, tenth: float = tenth) -> int:
+            return sum(scores[d.doc_id] >= tenth - 1e-4 * abs(tenth) for d in docs)
 
         assert in_top(part.documents) >= 8
         narrow = att.attribute(spec, QueryOptions(n_documents=10, n_candidates=32))
