@@ -75,7 +75,7 @@ def discover_report(att: Attributor, catalog: Catalog, *, topic: dict[str, Any],
 
 
 SELECTIONS = ("ratio", "effect")
-EFFECT_CONTRAST_DOCS = 64  # documents sampled (seeded) from the rest of the corpus when no contrast is given
+EFFECT_CONTRAST_DOCS = 256  # documents sampled (seeded) from the rest of the corpus when no contrast is given
 EFFECT_MAX_TOKENS = 50_000  # tokens per side run through the model for the selection (the first texts that fit)
 
 
