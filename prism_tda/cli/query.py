@@ -160,7 +160,8 @@ def cmd_discover(args: argparse.Namespace) -> int:
     res = discover_report(att, Catalog(att.reader, att.model, att.tokenizer), topic=topic, contrast=contrast,
                           top_n=args.top, min_support=args.min_support, min_docs=args.min_docs,
                           smoothing=args.smoothing, include_untrained=args.include_untrained, contexts=args.contexts,
-                          measure=args.measure)
+                          measure=args.measure, select=args.select, max_selected=args.max_selected,
+                          max_ppl_ratio=args.max_ppl_ratio)
     if args.json:
         print(json.dumps(res, indent=2))
         return 0
@@ -173,7 +174,16 @@ def cmd_discover(args: argparse.Namespace) -> int:
         shown = f"{ctx['before'][-30:]}[{ctx['token']}]{ctx['after'][:20]}".replace("\n", " ") if ctx else ""
         print(f"{p['proto_id']:>6} {p['ratio']:>7.2f} {p['topic_share']:>7.4f} {p['topic_support']:>8} "
               f"{p['topic_docs']:>6}  {shown}")
-    ids = ",".join(str(p["proto_id"]) for p in res["prototypes"])
+    chosen = [p["proto_id"] for p in res["prototypes"]]
+    sel = res["selection"]
+    if sel is not None:
+        chosen = sel["prototypes"]
+        print(f"\nselected by effect ({len(chosen)} of {sel['candidates']}, budget {sel['budget']}; contrast: "
+              f"{sel['contrast']}; {sel['seconds']:.1f} s):")
+        for st in sel["steps"]:
+            print(f"  + {st['proto_id']:>5}  effect {st['effect']:.4f} nats/token  (topic +{st['topic_loss_increase']:.4f},"
+                  f" contrast +{st['contrast_loss_increase']:.4f}; contrast perplexity x{st['contrast_ppl_ratio']:.4f})")
+    ids = ",".join(str(i) for i in chosen)
     print(f"\nsave as a set: curl -X PUT .../v1/prototype-sets/NAME -d '{{\"prototypes\": [{ids}]}}'")
     return 0
 
@@ -249,6 +259,13 @@ def register(sub: Any) -> None:
     dv.add_argument("--measure", choices=["activation", "logit"], default="activation",
                     help="what a token counts for a prototype: its activation (default) or its positive share of "
                          "the next token's logit")
+    dv.add_argument("--select", choices=["ratio", "effect"], default="ratio",
+                    help="effect: also choose the set whose suppression most raises the model's loss on the topic "
+                         "relative to the contrast (measured with the model)")
+    dv.add_argument("--max-selected", type=int, default=None, help="with --select effect: the most prototypes "
+                                                                    "chosen (default 2%% of the bank)")
+    dv.add_argument("--max-ppl-ratio", type=float, default=1.02,
+                    help="with --select effect: the largest contrast perplexity ratio a set may cost")
     _sql_arguments(dv, 1_000_000, 256 * 2**20)  # a document filter may select many documents
     dv.add_argument("--json", action="store_true")
     dv.set_defaults(fn=cmd_discover)

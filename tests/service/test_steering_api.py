@@ -85,6 +85,16 @@ def test_prism_discover_cli(index):
     assert out.returncode == 0, out.stderr
     res = json.loads(out.stdout)
     assert res["topic"]["source"] == "documents" and 0 < len(res["prototypes"]) <= 5
+    assert res["selection"] is None
+    # selection by effect, as text: each step and the set to save
+    out = subprocess.run([sys.executable, "-m", "prism_tda.cli", "discover", "--index", str(index), "--doc-prefix",
+                          "art/", "--top", "5", "--select", "effect", "--max-selected", "2", "--max-ppl-ratio", "1.5"],
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    steps = [line for line in out.stdout.splitlines() if line.startswith("  + ")]
+    assert "selected by effect" in out.stdout and 1 <= len(steps) <= 2
+    saved = out.stdout.split('"prototypes": [')[1].split("]")[0]
+    assert saved == ",".join(line.split()[1] for line in steps)
     bad = subprocess.run([sys.executable, "-m", "prism_tda.cli", "discover", "--index", str(index)],
                          capture_output=True, text=True, timeout=300)
     assert bad.returncode != 0 and "give the topic" in bad.stderr
