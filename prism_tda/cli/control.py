@@ -23,7 +23,6 @@ def _task(args: argparse.Namespace) -> tuple[Any, Any, Any]:
 
 
 def _accuracy(model: Any, items: list, controller: Any = None) -> dict[str, Any]:
-    import numpy as np
     import torch
 
     from prism_tda.engine.control import ChoiceCache, bootstrap
@@ -38,7 +37,6 @@ def _accuracy(model: Any, items: list, controller: Any = None) -> dict[str, Any]
             out |= {"accuracy_controller": float(ctrl.mean()), "accuracy_controller_ci": bootstrap(ctrl),
                     "gain_points": float(100 * (ctrl - base).mean()),
                     "gain_points_ci": [100 * x for x in bootstrap(ctrl - base)]}
-    out["per_item"] = None if controller is None else np.round(ctrl - base).tolist()
     return out
 
 
@@ -59,7 +57,6 @@ def cmd_fit(args: argparse.Namespace) -> int:
     ctrl = fit(model, ChoiceCache.of(model, task.train), l1=args.l1, steps=args.steps, lr=args.lr,
                progress=not args.no_progress)
     held = _accuracy(model, task.heldout, ctrl)
-    held.pop("per_item")
     ctrl.meta |= {"index": str(args.index), "task": task.config, "heldout": held}
     ctrl.save(args.out)
     labels = _labels(att, ctrl.prototypes)
@@ -78,7 +75,6 @@ def cmd_eval(args: argparse.Namespace) -> int:
     ctrl = Controller.load(args.controller, model.head.n_prototypes if model.head is not None else None)
     items = task.heldout if args.split == "heldout" else task.train
     res = _accuracy(model, items, ctrl)
-    res.pop("per_item")
     print(json.dumps({"controller": str(args.controller), "split": args.split, **res},
                      indent=None if args.json else 2))
     return 0
