@@ -3,8 +3,10 @@ its label, ratio, support and strongest topic contexts as text (``engine/steerin
 
 from __future__ import annotations
 
+import functools
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -15,6 +17,8 @@ from .attributor import Attributor
 from .catalog import Catalog
 from .reads import token_context
 from .steering import EffectTexts, select_by_effect
+
+Progress = Callable[[str, int, int], None]  # (stage, done, total)
 
 
 def context_text(tok: Any, ids: list[int], pos: int) -> dict[str, str]:
@@ -28,12 +32,14 @@ def discover_report(att: Attributor, catalog: Catalog, *, topic: dict[str, Any],
                     include_untrained: bool = False, contexts: int = 3, measure: str = "activation",
                     max_tokens: int | None = None, stop: threading.Event | None = None,
                     select: str = "ratio", max_selected: int | None = None, max_ppl_ratio: float = 1.02,
-                    ) -> dict[str, Any]:
+                    progress: Progress | None = None) -> dict[str, Any]:
     """Prototypes that carry a topic (``engine/steering.py``), with evidence; for the API and the CLI.
     ``topic``/``contrast``: {"texts": [...]} or {"doc_ids": [...]} (SQL resolved to ids by the caller).
     ``select="effect"``: also choose, from the ranked prototypes, the set whose suppression most raises
     the model's loss on the topic relative to the contrast, within ``max_selected`` prototypes (default 2%
-    of the bank) and a contrast perplexity ratio of ``max_ppl_ratio`` (:func:`effect_selection`)."""
+    of the bank) and a contrast perplexity ratio of ``max_ppl_ratio`` (:func:`effect_selection`).
+    ``progress(stage, done, total)``: called as each stage advances (``ranking``, then with ``select="effect"``
+    ``model`` over the selection's text windows and ``selection`` over candidate evaluations)."""
     if select not in SELECTIONS:
         raise QueryError(f"select: must be one of {list(SELECTIONS)}, got {select!r}")
     tok = att.tokenizer
@@ -42,6 +48,8 @@ def discover_report(att: Attributor, catalog: Catalog, *, topic: dict[str, Any],
         contrast_texts=(contrast or {}).get("texts"), contrast_docs=(contrast or {}).get("doc_ids"),
         include_untrained=include_untrained, n=top_n, min_support=min_support, min_docs=min_docs,
         smoothing=smoothing, measure=measure, max_tokens=max_tokens, stop=stop)
+    if progress is not None:
+        progress("ranking", 1, 1)
     texts = topic.get("texts")
     encoded = [tok.encode(t).ids for t in texts] if texts is not None else None
     out = []
@@ -70,7 +78,7 @@ def discover_report(att: Attributor, catalog: Catalog, *, topic: dict[str, Any],
         budget = max_selected or max(1, int(0.02 * att.reader.n_prototypes))
         res["selection"] = effect_selection(att, encoded, topic.get("doc_ids"), contrast, [d.proto_id for d in ranked],
                                             budget=budget, max_ppl_ratio=max_ppl_ratio, max_tokens=max_tokens,
-                                            stop=stop, include_untrained=include_untrained)
+                                            stop=stop, include_untrained=include_untrained, progress=progress)
     return res
 
 
@@ -81,7 +89,8 @@ EFFECT_MAX_TOKENS = 50_000  # tokens per side run through the model for the sele
 
 def effect_selection(att: Attributor, topic_ids: list[list[int]] | None, topic_docs: Any, contrast: dict | None,
                      candidates: list[int], *, budget: int, max_ppl_ratio: float, max_tokens: int | None,
-                     stop: threading.Event | None, include_untrained: bool = False) -> dict[str, Any]:
+                     stop: threading.Event | None, include_untrained: bool = False,
+                     progress: Progress | None = None) -> dict[str, Any]:
     """Greedy selection by measured effect (``engine/steering.py``, ``select_by_effect``) over ``candidates``:
     the topic's texts (or its documents' texts) against the contrast's texts, documents, or a seeded sample
     of the corpus's other trained documents; each side cut at ``EFFECT_MAX_TOKENS`` tokens."""
@@ -128,8 +137,10 @@ def effect_selection(att: Attributor, topic_ids: list[list[int]] | None, topic_d
             pool = np.random.default_rng(0).permutation(pool)[:EFFECT_CONTRAST_DOCS]
             source = f"{len(pool)} documents sampled from the rest of the corpus"
         other = doc_ids_tokens(pool)
-    texts = EffectTexts.of(att.model, (side, [], other))
-    steps = select_by_effect(att.model, texts, candidates, budget=budget, max_ppl_ratio=max_ppl_ratio, stop=stop)
+    texts = EffectTexts.of(att.model, (side, [], other), stop=stop,
+                           on_progress=None if progress is None else functools.partial(progress, "model"))
+    steps = select_by_effect(att.model, texts, candidates, budget=budget, max_ppl_ratio=max_ppl_ratio, stop=stop,
+                             on_progress=None if progress is None else functools.partial(progress, "selection"))
     return {"rule": "effect", "budget": budget, "max_ppl_ratio": max_ppl_ratio, "contrast": source,
             "topic_tokens": int((texts.group == 0).sum()), "contrast_tokens": int((texts.group == 2).sum()),
             "candidates": len(candidates), "seconds": round(time.perf_counter() - t0, 3),

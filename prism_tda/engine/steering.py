@@ -22,6 +22,7 @@ import math
 import re
 import threading
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -264,14 +265,18 @@ class EffectTexts:
     @classmethod
     @torch.no_grad()
     def of(cls, model: PRISM, groups: tuple[list[list[int]], list[list[int]], list[list[int]]],
-           batch_size: int = 16) -> EffectTexts:
-        """Token ids per group, each text cut into windows of the model's context."""
+           batch_size: int = 16, stop: threading.Event | None = None,
+           on_progress: Callable[[int, int], None] | None = None) -> EffectTexts:
+        """Token ids per group, each text cut into windows of the model's context. ``stop``: checked before
+        each batch (``Cancelled``); ``on_progress(windows done, windows)`` after each."""
         T = model.cfg.block_size
         zs, ys, gs, ps, acts = [], [], [], [], []
-        for g, texts in enumerate(groups):
-            windows = [ids[s : s + T + 1] for ids in texts for s in range(0, max(len(ids) - 1, 1), T)]
-            windows = [w for w in windows if len(w) > 1]
+        per_group = [[w for w in (ids[s : s + T + 1] for ids in texts for s in range(0, max(len(ids) - 1, 1), T))
+                      if len(w) > 1] for texts in groups]
+        n_windows, done = sum(map(len, per_group)), 0
+        for g, windows in enumerate(per_group):
             for b in range(0, len(windows), batch_size):
+                check_stop(stop, "selection by effect")
                 chunk = windows[b : b + batch_size]
                 tb = run_batch(model, [w[:-1] for w in chunk], [w[1:] for w in chunk])
                 zs.append(tb.z.float())
@@ -279,6 +284,9 @@ class EffectTexts:
                 gs.append(torch.full((len(tb.targets),), g, dtype=torch.long))
                 ps.append(tb.proto_idx)
                 acts.append(tb.acts.float())
+                done += len(chunk)
+                if on_progress is not None:
+                    on_progress(done, n_windows)
         if not any(len(t) for t in groups[0]):
             raise QueryError("selection by effect needs topic text of at least 2 tokens")
         return cls(torch.cat(zs), torch.cat(ys), torch.cat(gs), torch.cat(ps), torch.cat(acts))
@@ -311,13 +319,16 @@ class EffectStep:
 
 def select_by_effect(model: PRISM, texts: EffectTexts, candidates: list[int], *, budget: int,
                      max_ppl_ratio: float = 1.02, alpha: float = 0.0, progress: bool = False,
-                     stop: threading.Event | None = None) -> list[EffectStep]:
+                     stop: threading.Event | None = None,
+                     on_progress: Callable[[int, int], None] | None = None) -> list[EffectStep]:
     """Greedy forward selection of at most ``budget`` prototypes from ``candidates`` by their measured
     effect at strength ``alpha``: each step adds the candidate that most raises the topic's next-token loss
     relative to the other text's (group 1; the contrast's when group 1 is empty), among those that keep
     the contrast's perplexity within ``max_ppl_ratio`` of the unscaled model's; it stops at the budget or
     when no candidate raises the effect further (so a set is never chosen whose effect is not positive).
-    ``stop``: checked before each candidate (``Cancelled``)."""
+    ``stop``: checked before each candidate (``Cancelled``). ``on_progress(done, total)``: called after each
+    candidate evaluated, ``total`` being the most evaluations the selection can take (it jumps to ``total``
+    when the selection stops early)."""
     # Scaling a set adds sum_{i in S & K_t} (alpha - 1) a_{t,i} p_i to z_t: additive over the set's members,
     # and a member changes only the tokens where it is active. So each step keeps every token's current
     # hidden state and loss, and a candidate costs one unembedding of its own tokens, not of all of them.
@@ -347,11 +358,13 @@ def select_by_effect(model: PRISM, texts: EffectTexts, candidates: list[int], *,
             hit = texts.proto_idx == c
             rows = hit.any(1).nonzero().flatten()
             where[c] = (rows, (texts.acts * hit).sum(1)[rows])
+        total = sum(len(pool) - k for k in range(min(budget, len(pool))))  # evaluations if no early stop
+        done = 0
         bar = None
         if progress:
             from tqdm.auto import tqdm
 
-            bar = tqdm(total=budget * len(pool), desc="select by effect", unit="set")
+            bar = tqdm(total=total, desc="select by effect", unit="set")
         for _ in range(budget):
             best: tuple[EffectStep, torch.Tensor, torch.Tensor, torch.Tensor] | None = None
             for c in pool:
@@ -368,6 +381,9 @@ def select_by_effect(model: PRISM, texts: EffectTexts, candidates: list[int], *,
                 step = EffectStep(c, d[0] - d[other], d[0], d[other], ratio)
                 if bar is not None:
                     bar.update()
+                done += 1
+                if on_progress is not None:
+                    on_progress(done, total)
                 if ratio <= max_ppl_ratio and (best is None or step.effect > best[0].effect):
                     best = (step, z_new, loss_new, new_sums)
             if best is None or best[0].effect <= (steps[-1].effect if steps else 0.0):
@@ -379,4 +395,6 @@ def select_by_effect(model: PRISM, texts: EffectTexts, candidates: list[int], *,
             steps.append(step)
         if bar is not None:
             bar.close()
+        if on_progress is not None and done < total:
+            on_progress(total, total)
     return steps

@@ -19,6 +19,8 @@ class Metrics:
                                registry=self.registry)
         self.audit_items = Counter("prism_audit_items_total", "Audit items finished", ["status"],
                                    registry=self.registry)
+        self.tasks = Counter("prism_tasks_total", "Background tasks finished", ["kind", "status"],
+                             registry=self.registry)
         self.sql_refused = Counter("prism_sql_refused_total", "SQL queries refused", ["kind"],
                                    registry=self.registry)
         self.index_load_seconds = Gauge("prism_index_load_seconds", "Time to load an index at start-up",

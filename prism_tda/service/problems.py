@@ -78,6 +78,8 @@ InvalidPrototype = _kind("InvalidPrototype", "invalid-prototype", 422, "A protot
 IdempotencyConflict = _kind("IdempotencyConflict", "idempotency-conflict", 409,
                             "The Idempotency-Key was already used with another request")
 AuditFinished = _kind("AuditFinished", "audit-finished", 409, "The audit has already finished")
+TaskNotFound = _kind("TaskNotFound", "task-not-found", 404, "No such background task")
+TaskFinished = _kind("TaskFinished", "task-finished", 409, "The background task has already finished")
 SqlSyntax = _kind("SqlSyntax", "sql-syntax", 400, "The SQL does not parse")
 SqlOneStatement = _kind("SqlOneStatement", "sql-one-statement", 400, "Exactly one SQL statement is allowed")
 SqlForbidden = _kind("SqlForbidden", "sql-forbidden", 403, "The SQL does something that is not allowed")
@@ -92,6 +94,7 @@ HostNotAllowed = _kind("HostNotAllowed", "host-not-allowed", 403,
                        "Without API keys the server answers only requests to this machine by a loopback name")
 CrossOrigin = _kind("CrossOrigin", "cross-origin-request", 403, "A state-changing request from another web origin")
 AuditQuota = _kind("AuditQuota", "too-many-audits", 429, "Too many active audits for this key")
+TaskQuota = _kind("TaskQuota", "too-many-tasks", 429, "Too many active background tasks for this key")
 ClientClosed = _kind("ClientClosed", "client-closed-request", 499, "The client closed the request; its work stopped")
 NotReady = _kind("NotReady", "not-ready", 503, "The service is not ready")
 IndexMismatch = _kind("IndexMismatch", "index-mismatch", 409, "The index was built from another model than the served one")

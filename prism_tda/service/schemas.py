@@ -384,6 +384,25 @@ class DiscoverResponse(BaseModel):
                                                                 "measured effect.")
 
 
+class DiscoverTask(BaseModel):
+    id: str
+    index: str
+    status: Literal["queued", "running", "completed", "failed", "cancelled"]
+    created_at: float
+    updated_at: float
+    stage: str | None = Field(description="The stage running or last reported: `ranking`, then with `select: "
+                                          "effect` `model` (the selection's texts through the model) and "
+                                          "`selection` (candidate sets measured).")
+    stage_done: int = Field(description="Units of the stage done (text windows; candidate evaluations).")
+    stage_total: int = Field(description="Units of the stage in all (for `selection`: the most it can take; "
+                                         "it may stop early).")
+    progress: float = Field(description="Share of the whole task done, estimated from the stages (0-1).")
+    attempts: int = Field(description="Starts of the task (more than one: a server stopped during it).")
+    error: str | None
+    result: DiscoverResponse | None = Field(description="When completed: the discovery, as `POST "
+                                                        "/v1/prototypes/discover` answers it.")
+
+
 # ---------------------------------------------------------------------------- health
 class Health(BaseModel):
     status: str

@@ -127,6 +127,10 @@ class Settings(BaseSettings):
     max_active_audits_per_key: int = Field(
         16, ge=1, description="Queued or running audits one API key may have at once (admin keys and keyless "
                               "loopback use are not limited); more are refused with 429 `too-many-audits`.")
+    max_active_tasks_per_key: int = Field(
+        4, ge=1, description="Queued or running background tasks (discoveries run with `POST "
+                             "/v1/prototypes/discover/tasks`) one API key may have at once (admin keys and keyless "
+                             "loopback use are not limited); more are refused with 429 `too-many-tasks`.")
     audit_max_attempts: int = Field(
         3, ge=1, description="Times an audit item is started before it is marked failed (an item that keeps "
                              "failing unexpectedly, or crashing the server, never blocks the queue).")

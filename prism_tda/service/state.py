@@ -1,4 +1,5 @@
-"""Durable service state in SQLite (WAL): audit jobs, their items and results, prototype sets.
+"""Durable service state in SQLite (WAL): audit jobs, their items and results, prototype sets, and
+single-step background tasks (a discovery with selection by effect).
 
 An audit is written (job + every item) in one transaction before the server answers 202. Keys take
 turns at the worker (``turns``), an item is started at most a bounded number of times, and finished
@@ -52,6 +53,13 @@ CREATE TABLE IF NOT EXISTS prototype_sets (
 );
 CREATE INDEX IF NOT EXISTS jobs_by_principal ON jobs (principal, created_at);
 CREATE TABLE IF NOT EXISTS turns (principal TEXT PRIMARY KEY, served_at REAL NOT NULL);
+CREATE TABLE IF NOT EXISTS tasks (
+    id TEXT PRIMARY KEY, kind TEXT NOT NULL, index_name TEXT NOT NULL, principal TEXT NOT NULL,
+    status TEXT NOT NULL, created_at REAL NOT NULL, updated_at REAL NOT NULL, params TEXT NOT NULL,
+    stage TEXT, stage_done INTEGER NOT NULL DEFAULT 0, stage_total INTEGER NOT NULL DEFAULT 0,
+    progress REAL NOT NULL DEFAULT 0, attempts INTEGER NOT NULL DEFAULT 0, result TEXT, error TEXT
+);
+CREATE INDEX IF NOT EXISTS tasks_by_status ON tasks (status, created_at);
 """
 
 # The owner of the prototype sets that every key reads and only admins write: sets seeded from the
@@ -233,7 +241,7 @@ class StateDB:
 
     def purge_finished(self, older_than_s: float) -> int:
         """Delete finished audits (completed or cancelled) last updated more than ``older_than_s`` ago,
-        with their items and results; the number of audits deleted."""
+        with their items and results, and finished tasks; the number of audits and tasks deleted."""
         cutoff = time.time() - older_than_s
         with self._tx() as con:
             ids = [r[0] for r in con.execute("SELECT id FROM jobs WHERE status IN ('completed', 'cancelled') "
@@ -243,7 +251,9 @@ class StateDB:
                 marks = ", ".join("?" * len(part))
                 for table, col in (("results", "job_id"), ("items", "job_id"), ("jobs", "id")):
                     con.execute(f"DELETE FROM {table} WHERE {col} IN ({marks})", part)
-        return len(ids)
+            tasks = con.execute("DELETE FROM tasks WHERE status IN ('completed', 'failed', 'cancelled') "
+                                "AND updated_at < ?", (cutoff,)).rowcount
+        return len(ids) + tasks
 
     def finish_item(self, job_id: str, item_no: int, *, error: str | None = None,
                     result: dict[str, Any] | None = None) -> bool:
@@ -282,6 +292,82 @@ class StateDB:
         """The ``audit_results`` table (see :func:`read_audit_results`)."""
         with self._connect() as con:
             return _audit_results(con, index_name, job_id, principal)
+
+    # ------------------------------------------------------------------------ tasks
+    # One unit of work each (not items): queued -> running -> completed | failed | cancelled. Only the
+    # worker's process runs them, one at a time, so a task found 'running' by the worker was cut short by
+    # a crash: it is started again, at most ``max_attempts`` times.
+    def create_task(self, kind: str, index_name: str, principal: str, params: dict[str, Any]) -> dict[str, Any]:
+        now = time.time()
+        task_id = "task_" + secrets.token_hex(8)
+        with self._tx() as con:
+            con.execute("INSERT INTO tasks (id, kind, index_name, principal, status, created_at, updated_at, params) "
+                        "VALUES (?, ?, ?, ?, 'queued', ?, ?, ?)",
+                        (task_id, kind, index_name, principal, now, now, json.dumps(params)))
+            row = con.execute("SELECT * FROM tasks WHERE id = ?", (task_id,)).fetchone()
+        return _task(row)
+
+    def task(self, task_id: str) -> dict[str, Any] | None:
+        with self._connect() as con:
+            row = con.execute("SELECT * FROM tasks WHERE id = ?", (task_id,)).fetchone()
+        return _task(row) if row is not None else None
+
+    def active_tasks(self, principal: str) -> int:
+        """Queued or running tasks of ``principal``."""
+        with self._connect() as con:
+            return int(con.execute("SELECT count(*) FROM tasks WHERE principal = ? AND status IN "
+                                   "('queued', 'running')", (principal,)).fetchone()[0])
+
+    def next_task(self, index_names: list[str], max_attempts: int) -> dict[str, Any] | None:
+        """The oldest unfinished task on one of ``index_names``, marked running and its start counted; a
+        task already started ``max_attempts`` times is failed instead."""
+        marks = ", ".join("?" * len(index_names))
+        while True:
+            with self._tx() as con:
+                row = con.execute(f"SELECT * FROM tasks WHERE status IN ('queued', 'running') AND index_name IN "
+                                  f"({marks}) ORDER BY created_at, id LIMIT 1", index_names).fetchone()
+                if row is None:
+                    return None
+                now = time.time()
+                if row["attempts"] >= max_attempts:
+                    con.execute("UPDATE tasks SET status = 'failed', error = ?, updated_at = ? WHERE id = ?",
+                                (f"internal error: the task was started {row['attempts']} times without finishing; "
+                                 "it is not tried again", now, row["id"]))
+                    continue
+                con.execute("UPDATE tasks SET status = 'running', attempts = attempts + 1, updated_at = ? "
+                            "WHERE id = ?", (now, row["id"]))
+                row = con.execute("SELECT * FROM tasks WHERE id = ?", (row["id"],)).fetchone()
+            return _task(row)
+
+    def task_progress(self, task_id: str, stage: str, done: int, total: int, progress: float) -> str | None:
+        """Record a running task's progress; its status (``cancelled`` tells the worker to stop)."""
+        with self._tx() as con:
+            con.execute("UPDATE tasks SET stage = ?, stage_done = ?, stage_total = ?, progress = ?, updated_at = ? "
+                        "WHERE id = ? AND status = 'running'", (stage, done, total, progress, time.time(), task_id))
+            row = con.execute("SELECT status FROM tasks WHERE id = ?", (task_id,)).fetchone()
+        return None if row is None else str(row[0])
+
+    def finish_task(self, task_id: str, *, result: dict[str, Any] | None = None, error: str | None = None) -> bool:
+        """Store a task's result (or its error); False when it was cancelled (or removed) meanwhile."""
+        status = "failed" if error is not None else "completed"
+        with self._tx() as con:
+            cur = con.execute("UPDATE tasks SET status = ?, result = ?, error = ?, progress = CASE WHEN ? = "
+                              "'completed' THEN 1 ELSE progress END, updated_at = ? WHERE id = ? AND status = "
+                              "'running'", (status, None if result is None else json.dumps(result), error,
+                                            status, time.time(), task_id))
+            return cur.rowcount == 1
+
+    def requeue_task(self, task_id: str) -> None:
+        """A running task the worker put down unfinished (it is stopping): queued again, the start not counted."""
+        with self._tx() as con:
+            con.execute("UPDATE tasks SET status = 'queued', attempts = max(attempts - 1, 0), updated_at = ? "
+                        "WHERE id = ? AND status = 'running'", (time.time(), task_id))
+
+    def cancel_task(self, task_id: str) -> bool:
+        with self._tx() as con:
+            cur = con.execute("UPDATE tasks SET status = 'cancelled', updated_at = ? WHERE id = ? AND status IN "
+                              "('queued', 'running')", (time.time(), task_id))
+            return cur.rowcount == 1
 
     # ------------------------------------------------------------------------ prototype sets
     # A set belongs to the key that wrote it (``owner``: the principal id) or is shared (``SHARED``:
@@ -400,6 +486,13 @@ def _item(row: sqlite3.Row) -> dict[str, Any]:
     for k in ("flag_prototypes", "used_prototypes", "flagged_prototypes", "documents"):
         if k in d:
             d[k] = json.loads(d[k]) if d[k] is not None else None
+    return d
+
+
+def _task(row: sqlite3.Row) -> dict[str, Any]:
+    d = dict(row)
+    d["params"] = json.loads(d["params"])
+    d["result"] = json.loads(d["result"]) if d["result"] is not None else None
     return d
 
 

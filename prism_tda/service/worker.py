@@ -1,4 +1,5 @@
-"""The audit worker: a background thread that attributes pending audit items one at a time.
+"""The audit worker: a background thread that attributes pending audit items one at a time, and runs
+background tasks (a discovery with selection by effect) between them, a task before an item.
 
 Only one process per state directory runs it (an exclusive ``flock`` on ``audit-worker.lock``;
 the kernel releases it when the holder dies, and another server process takes over). It stops at
@@ -16,7 +17,7 @@ import time
 from typing import Any
 
 from prism_tda.engine import Attribution, QueryOptions, QuerySpec
-from prism_tda.errors import PrismError, ShardUnavailable
+from prism_tda.errors import Cancelled, PrismError, ShardUnavailable
 
 from .indexes import Registry
 from .metrics import Metrics
@@ -45,8 +46,10 @@ def outcome(res: Attribution, flag: set[int]) -> dict[str, Any]:
 
 
 class AuditWorker:
-    """``max_attempts``: starts of one item before it is failed; ``retention_s``: how long finished
-    audits are kept (0: for ever), purged at most once a minute."""
+    """``max_attempts``: starts of one item (or task) before it is failed; ``retention_s``: how long
+    finished audits and tasks are kept (0: for ever), purged at most once a minute."""
+
+    CANCEL_POLL_S = 0.5
 
     def __init__(self, state: StateDB, registry: Registry, metrics: Metrics, poll_s: float, *,
                  max_attempts: int = 3, retention_s: float = 0.0) -> None:
@@ -57,6 +60,7 @@ class AuditWorker:
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="audit-worker", daemon=True)
         self._lock_fd: int | None = None
+        self._task_stop: threading.Event | None = None  # the running task's stop, set by :meth:`stop` too
 
     @property
     def alive(self) -> bool:
@@ -73,6 +77,8 @@ class AuditWorker:
     def stop(self, timeout: float = 30.0) -> None:
         """Finish the item in hand (waiting at most ``timeout`` seconds), then stop."""
         self._stop.set()
+        if self._task_stop is not None:
+            self._task_stop.set()
         self.wake.set()
         self._thread.join(timeout)
         if self._thread.is_alive():
@@ -119,9 +125,12 @@ class AuditWorker:
                 self.wake.clear()
 
     def step(self) -> bool:
-        """Process one pending item; False when there is none (or the worker is stopping)."""
+        """Run one pending task, else process one pending item; False when there is neither (or the
+        worker is stopping)."""
         if self._stop.is_set():
             return False
+        if self.step_task():
+            return True
         item = self.state.next_item(list(self.registry.indexes), self.max_attempts)
         if item is None:
             return False
@@ -148,4 +157,67 @@ class AuditWorker:
         done = self.state.finish_item(item["job_id"], item["item_no"], error=error, result=result)
         if done:
             self.metrics.audit_items.labels(status="failed" if error else "done").inc()
+        return True
+
+    # the share of a discovery's work done when each stage starts and how much of the work it is
+    STAGES = {"ranking": (0.0, 0.1), "model": (0.1, 0.4), "selection": (0.5, 0.5)}
+
+    def step_task(self) -> bool:
+        """Run the oldest pending task to its end; False when there is none. Its owner's cancellation (seen
+        within ``CANCEL_POLL_S``) or the worker's stop ends it at the engine's next check: a stopping
+        worker leaves it queued for the next start."""
+        task = self.state.next_task(list(self.registry.indexes), self.max_attempts)
+        if task is None:
+            return False
+        tid = task["id"]
+        stop = self._task_stop = threading.Event()
+        if self._stop.is_set():
+            stop.set()
+        finished = threading.Event()
+
+        def watch() -> None:  # the owner's DELETE, seen in the state database
+            while not finished.wait(self.CANCEL_POLL_S):
+                found = self.state.task(tid)
+                if found is None or found["status"] != "running":
+                    stop.set()
+                    return
+
+        last = [0.0]
+
+        def progress(stage: str, done: int, total: int) -> None:
+            now = time.monotonic()
+            if now - last[0] < 0.25 and done < total:
+                return
+            last[0] = now
+            start, share = self.STAGES.get(stage, (0.0, 0.0))
+            self.state.task_progress(tid, stage, done, total, start + share * (done / total if total else 1.0))
+
+        watcher = threading.Thread(target=watch, name=f"task-watch-{tid}", daemon=True)
+        watcher.start()
+        t0 = time.perf_counter()
+        error, result = None, None
+        try:
+            ix = self.registry.get(task["index_name"])
+            if task["kind"] != "discover":
+                raise PrismError(f"unknown task kind {task['kind']!r}")
+            result = {"index": ix.name, **ix.discover(**task["params"], stop=stop, progress=progress)}
+        except Cancelled:
+            if self._stop.is_set():
+                self.state.requeue_task(tid)
+                log.info("task put down for the next start", extra={"task_id": tid})
+            else:
+                log.info("task cancelled", extra={"task_id": tid})
+            return True
+        except PrismError as e:
+            error = str(e)
+        except Exception:  # not the task's fault as far as we know: it stays running and is started again
+            log.exception("task failed unexpectedly", extra={"task_id": tid, "attempt": task["attempts"]})
+            return True
+        finally:
+            finished.set()
+            self._task_stop = None
+        if self.state.finish_task(tid, result=result, error=error):
+            self.metrics.tasks.labels(kind=task["kind"], status="failed" if error else "completed").inc()
+        log.info("task finished", extra={"task_id": tid, "kind": task["kind"], "error": error,
+                                         "seconds": round(time.perf_counter() - t0, 3)})
         return True

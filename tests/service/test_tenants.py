@@ -23,7 +23,8 @@ from .conftest import ADMIN, A, B, assert_problem, auth, free_port, service_sett
 def tenants(index, tmp_path_factory):
     settings = service_settings(index, tmp_path_factory.mktemp("state-tenants"), api_keys=[A, B],
                                 admin_api_keys=[ADMIN], auth_failures_per_minute=10,
-                                prototype_sets={"seeded": [1, 2]}, max_active_audits_per_key=2)
+                                prototype_sets={"seeded": [1, 2]}, max_active_audits_per_key=2,
+                                max_active_tasks_per_key=1)
     with serving(settings) as live:
         yield live
 
@@ -397,3 +398,27 @@ def test_damping_cache_is_bounded(index, tmp_path):
         assert len(ix.attributor._pre) <= 8  # the process's one cache (the shard side is given the object)
         assert not hasattr(ix.attributor.shards.worker, "_pre")
         assert status_bytes(os.getpid(), "RssAnon") - rss0 < 64 * 2**20
+
+
+# ---------------------------------------------------------------------------- background tasks
+def test_background_tasks_belong_to_their_key(tenants):
+    url, tasks = tenants.url, "/v1/prototypes/discover/tasks"
+    slow = {"topic": {"sql": "SELECT doc_id FROM documents"}, "top_n": 300, "min_support": 1, "min_docs": 1,
+            "select": "effect", "max_selected": 200, "max_ppl_ratio": 10}
+    r = httpx.post(url + tasks, json=slow, headers=auth(A))
+    assert r.status_code == 202, r.text
+    mine = r.json()["id"]
+    # one active task per key here: A's second is refused, B's first is not
+    assert_problem(httpx.post(url + tasks, json=slow, headers=auth(A)), 429, "too-many-tasks", mentions="limit is 1")
+    theirs = httpx.post(url + tasks, json={"topic": {"texts": ["a picture of a cat"]}, "min_docs": 1}, headers=auth(B))
+    assert theirs.status_code == 202, theirs.text
+    # B can neither read nor cancel A's task: 404, as for a task that does not exist
+    assert_problem(httpx.get(f"{url}{tasks}/{mine}", headers=auth(B)), 404, "task-not-found")
+    assert_problem(httpx.delete(f"{url}{tasks}/{mine}", headers=auth(B)), 404, "task-not-found")
+    assert httpx.get(f"{url}{tasks}/{mine}", headers=auth(A)).json()["status"] in ("queued", "running")
+    assert httpx.get(f"{url}{tasks}/{theirs.json()['id']}", headers=auth(ADMIN)).status_code == 200
+    assert httpx.get(f"{url}{tasks}/{mine}").status_code == 401
+    # A cancels its own; then it may start another
+    assert httpx.delete(f"{url}{tasks}/{mine}", headers=auth(A)).json()["status"] == "cancelled"
+    again = httpx.post(url + tasks, json={"topic": {"texts": ["a picture of a dog"]}, "min_docs": 1}, headers=auth(A))
+    assert again.status_code == 202, again.text

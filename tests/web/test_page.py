@@ -257,7 +257,9 @@ def test_steer_discover_save_and_compare(page, web_live):
     assert ticked == [p["proto_id"] for p in api["prototypes"]][: len(ticked)]
     # chosen by measured effect: the boxes ticked are the API's selection
     page.check("#steer-effect")
-    page.get_by_role("button", name="Discover").click()
+    with page.expect_response(lambda r: "/v1/prototypes/discover/tasks/" in r.url and r.request.method == "GET") as polled:
+        page.get_by_role("button", name="Discover").click()  # run as a background task, polled for progress
+    assert polled.value.json()["status"] in ("queued", "running", "completed")
     page.locator("#steer-selection").wait_for()
     chosen = sorted(int(b.get_attribute("value")) for b in page.locator("#steer-found tbody input:checked").all())
     sel = httpx.post(web_live.url + "/v1/prototypes/discover",

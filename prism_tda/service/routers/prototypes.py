@@ -11,6 +11,7 @@ from ..deps import IndexQuery, PrincipalDep, Services, ServicesDep
 from ..schemas import (
     DiscoverRequest,
     DiscoverResponse,
+    DiscoverTask,
     Prototype,
     PrototypeList,
     PrototypeSet,
@@ -150,3 +151,69 @@ async def delete_prototype_set(name: Annotated[SetName, Path()], services: Servi
 # /v1/prototype-sets/{name} owns that path for GET, PUT and DELETE.
 sets_router.add_api_route("/discover", discover_prototypes, methods=["POST"], response_model=DiscoverResponse,
                           include_in_schema=False, deprecated=True)
+
+
+# ---------------------------------------------------------------------------- discovery as a background task
+TaskId = Annotated[str, Path(max_length=64, description="The task's id (from POST /v1/prototypes/discover/tasks).")]
+
+
+def task_view(t: dict) -> DiscoverTask:
+    return DiscoverTask(id=t["id"], index=t["index_name"], status=t["status"], created_at=t["created_at"],
+                        updated_at=t["updated_at"], stage=t["stage"], stage_done=t["stage_done"],
+                        stage_total=t["stage_total"], progress=t["progress"], attempts=t["attempts"], error=t["error"],
+                        result=DiscoverResponse(**t["result"]) if t["result"] is not None else None)
+
+
+async def _task(services: Services, task_id: str, principal: Principal) -> dict:
+    """The task, if it exists and belongs to ``principal`` (admins see every task); else 404, so another
+    key's tasks cannot be told apart from missing ones."""
+    t = await services.io(services.state.task, task_id)
+    if t is None or not (principal.admin or t["principal"] == principal.id):
+        raise p.TaskNotFound(f"no background task {task_id!r}")
+    return t
+
+
+@router.post("/discover/tasks", status_code=202, response_model=DiscoverTask,
+             responses=p.responses(p.UnknownIndex, p.InvalidQuery, p.SqlSyntax, p.SqlOneStatement, p.SqlForbidden,
+                                   p.SqlError, p.SqlTimeout, p.SqlTooManyRows, p.SqlBusy, p.BodyTooLarge,
+                                   p.TaskQuota))
+async def create_discover_task(body: DiscoverRequest, services: ServicesDep, principal: PrincipalDep,
+                               response: Response) -> DiscoverTask:
+    """The discovery of `POST /v1/prototypes/discover`, run in the background (for `select: "effect"` on a
+    large topic, which takes the model over the topic and the contrast): stored before the answer (202),
+    run by the server's background worker, its progress and result at `GET
+    /v1/prototypes/discover/tasks/{task_id}`. A SQL source is resolved to its documents now."""
+    ix = services.registry.get(body.index)
+    if not principal.admin:
+        active = await services.io(services.state.active_tasks, principal.id)
+        limit = services.settings.max_active_tasks_per_key
+        if active >= limit:
+            raise p.TaskQuota(f"this key has {active} queued or running background tasks (the limit is {limit}); "
+                              "wait for one to finish or cancel one", headers={"Retry-After": "10"})
+    topic = await _doc_ids(services, ix, body.topic, "topic", principal)
+    contrast = await _doc_ids(services, ix, body.contrast, "contrast", principal)
+    params = dict(topic=topic, contrast=contrast, top_n=body.top_n, min_support=body.min_support,
+                  min_docs=body.min_docs, smoothing=body.smoothing, include_untrained=body.include_untrained,
+                  contexts=body.contexts, measure=body.measure, max_tokens=services.settings.discover_max_tokens,
+                  select=body.select, max_selected=body.max_selected, max_ppl_ratio=body.max_ppl_ratio)
+    t = await services.io(services.state.create_task, "discover", ix.name, principal.id, params)
+    services.worker.wake.set()
+    response.headers["Location"] = f"/v1/prototypes/discover/tasks/{t['id']}"
+    return task_view(t)
+
+
+@router.get("/discover/tasks/{task_id}", response_model=DiscoverTask, responses=p.responses(p.TaskNotFound))
+async def get_discover_task(task_id: TaskId, services: ServicesDep, principal: PrincipalDep) -> DiscoverTask:
+    """A background discovery: its status and progress, and its result once completed."""
+    return task_view(await _task(services, task_id, principal))
+
+
+@router.delete("/discover/tasks/{task_id}", response_model=DiscoverTask,
+               responses=p.responses(p.TaskNotFound, p.TaskFinished))
+async def cancel_discover_task(task_id: TaskId, services: ServicesDep, principal: PrincipalDep) -> DiscoverTask:
+    """Cancel a queued or running background discovery (a running one stops at the model's next batch or
+    candidate, within about a second)."""
+    t = await _task(services, task_id, principal)
+    if not await services.io(services.state.cancel_task, task_id):
+        raise p.TaskFinished(f"background task {task_id!r} has already finished ({t['status']})")
+    return task_view(await _task(services, task_id, principal))

@@ -42,17 +42,49 @@ export async function render(root, { params }) {
       return;
     }
     const topic = texts.length ? { texts } : { sql };
+    const body = { topic, top_n: Number(topN.value), min_docs: texts.length === 1 ? 1 : 2 };
     await busy(submit, status, "Discovering…", async () => {
       try {
-        const res = await api("POST", "/v1/prototypes/discover",
-          { body: { topic, top_n: Number(topN.value), min_docs: texts.length === 1 ? 1 : 2,
-            ...(byEffect.checked ? { select: "effect" } : {}) } });
-        showFound(found, res);
+        if (byEffect.checked) {  // the model runs over the topic and the contrast: a background task
+          await runTask(found, { ...body, select: "effect" });
+        } else {
+          showFound(found, await api("POST", "/v1/prototypes/discover", { body }));
+        }
       } catch (err) {
         clear(found, errorBox(err));
       }
     });
   });
+  return () => { left = true; };
+}
+
+let left = false; // the page was left: stop polling
+
+const STAGES = { ranking: "ranking prototypes", model: "running the model over the topic and the contrast",
+  selection: "measuring candidate sets" };
+
+/** Submit a background discovery, show its progress with a cancel button, then its result. */
+async function runTask(out, body) {
+  left = false;
+  let task = await api("POST", "/v1/prototypes/discover/tasks", { body });
+  const bar = h("progress", { id: "steer-progress", max: 1, value: 0 });
+  const line = h("p", { class: "status", role: "status", id: "steer-task" }, "Queued…");
+  const cancel = h("button", { type: "button", id: "steer-cancel" }, "Cancel");
+  cancel.addEventListener("click", async () => {
+    try { await api("DELETE", `/v1/prototypes/discover/tasks/${task.id}`); } catch (e) { out.prepend(errorBox(e)); }
+  });
+  clear(out, h("section", { class: "card" }, h("div", { class: "row" }, bar, line, cancel)));
+  while (!left && (task.status === "queued" || task.status === "running")) {
+    bar.value = task.progress;
+    line.textContent = task.status === "queued" ? "Queued…" : `${STAGES[task.stage] || task.stage || "starting"}` +
+      (task.stage_total ? ` (${task.stage_done} of ${task.stage_total})` : "") + ` · ${Math.round(100 * task.progress)}%`;
+    await new Promise((r) => setTimeout(r, 400));
+    task = await api("GET", `/v1/prototypes/discover/tasks/${task.id}`);
+  }
+  if (left) return;
+  if (task.status === "completed") showFound(out, task.result);
+  else if (task.status === "cancelled") clear(out, h("p", { class: "muted", id: "steer-cancelled" }, "Cancelled."));
+  else clear(out, errorBox(new Error(task.error || `the task ${task.status}`)));
 }
 
 function selectionText(sel) {

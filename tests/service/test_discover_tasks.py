@@ -1,0 +1,97 @@
+"""Discovery as a background task: the same answer as the request, progress, cancellation that stops the
+work, and a task that survives its server's crash (started again, at most a bounded number of times)."""
+
+from __future__ import annotations
+
+import time
+
+import httpx
+
+from prism_tda.service.state import StateDB
+
+from .conftest import assert_problem
+
+SQL = "SELECT doc_id FROM documents WHERE external_id LIKE 'art/%' ORDER BY doc_id LIMIT 200"
+TASKS = "/v1/prototypes/discover/tasks"
+
+
+def wait(client: httpx.Client, task_id: str, until=lambda t: t["status"] not in ("queued", "running"),
+         timeout: float = 180) -> dict:
+    deadline = time.monotonic() + timeout
+    while True:
+        t = client.get(f"{TASKS}/{task_id}").json()
+        if until(t):
+            return t
+        assert time.monotonic() < deadline, t
+        time.sleep(0.05)
+
+
+def test_a_background_discovery_answers_as_the_request_does(client):
+    body = {"topic": {"sql": SQL}, "top_n": 8, "select": "effect", "max_selected": 3, "max_ppl_ratio": 1.5}
+    r = client.post(TASKS, json=body)
+    assert r.status_code == 202, r.text
+    task = r.json()
+    assert r.headers["location"] == f"{TASKS}/{task['id']}" and task["status"] in ("queued", "running")
+    assert task["result"] is None
+    done = wait(client, task["id"])
+    assert done["status"] == "completed" and done["error"] is None and done["attempts"] == 1, done
+    assert done["progress"] == 1.0 and done["stage"] == "selection" and 0 < done["stage_done"] <= done["stage_total"]
+    sync = client.post("/v1/prototypes/discover", json=body).json()
+    res = done["result"]
+    assert res["index"] == sync["index"] and res["topic"] == sync["topic"] and res["contrast"] == sync["contrast"]
+    assert [p["proto_id"] for p in res["prototypes"]] == [p["proto_id"] for p in sync["prototypes"]]
+    assert res["selection"]["prototypes"] == sync["selection"]["prototypes"]
+    assert [s["effect"] for s in res["selection"]["steps"]] == [s["effect"] for s in sync["selection"]["steps"]]
+    # a plain discovery runs in the background too; unknown tasks are 404
+    plain = wait(client, client.post(TASKS, json={"topic": {"sql": SQL}, "top_n": 5}).json()["id"])
+    assert plain["status"] == "completed" and plain["result"]["selection"] is None
+    assert [p["proto_id"] for p in plain["result"]["prototypes"]] == [p["proto_id"] for p in sync["prototypes"]][:5]
+    assert_problem(client.get(f"{TASKS}/task_0000"), 404, "task-not-found")
+    assert_problem(client.post(TASKS, json={"topic": {"sql": "DROP TABLE documents"}}), 403, "sql-forbidden")
+
+
+def test_cancelling_a_running_task_stops_its_work(client):
+    # every document against a budget of 200: tens of thousands of candidate evaluations if left to run
+    slow = client.post(TASKS, json={"topic": {"sql": "SELECT doc_id FROM documents WHERE doc_id % 2 = 0"},
+                                    "top_n": 300, "min_support": 1, "min_docs": 1, "select": "effect",
+                                    "max_selected": 200, "max_ppl_ratio": 10}).json()
+    running = wait(client, slow["id"], until=lambda t: t["status"] != "queued" and t["stage"] is not None)
+    assert running["status"] == "running", running
+    t0 = time.monotonic()
+    r = client.delete(f"{TASKS}/{slow['id']}")
+    assert r.status_code == 200 and r.json()["status"] == "cancelled", r.text
+    assert_problem(client.delete(f"{TASKS}/{slow['id']}"), 409, "task-finished", mentions="cancelled")
+    # the worker is free again soon: a task submitted after the cancel completes
+    quick = wait(client, client.post(TASKS, json={"topic": {"sql": SQL}, "top_n": 3}).json()["id"])
+    assert quick["status"] == "completed"
+    assert time.monotonic() - t0 < 30
+    after = client.get(f"{TASKS}/{slow['id']}").json()
+    assert after["status"] == "cancelled" and after["result"] is None and after["progress"] < 1.0
+
+
+def test_a_task_outlives_a_crash_a_bounded_number_of_times(tmp_path):
+    db = StateDB(tmp_path)
+    t = db.create_task("discover", "tiny", "key:a", {"topic": {"texts": ["a b c"]}})
+    first = db.next_task(["tiny"], max_attempts=2)
+    assert first["id"] == t["id"] and first["status"] == "running" and first["attempts"] == 1
+    assert db.next_task(["other"], max_attempts=2) is None  # not an index this server serves
+    # the process died while running it: the next worker starts it again, and then gives up
+    second = db.next_task(["tiny"], max_attempts=2)
+    assert second["id"] == t["id"] and second["attempts"] == 2
+    assert db.next_task(["tiny"], max_attempts=2) is None
+    failed = db.task(t["id"])
+    assert failed["status"] == "failed" and "started 2 times" in failed["error"]
+    # a worker stopping on purpose puts its task back without counting the start
+    u = db.create_task("discover", "tiny", "key:a", {})
+    assert db.next_task(["tiny"], 2)["attempts"] == 1
+    db.requeue_task(u["id"])
+    assert db.task(u["id"])["status"] == "queued" and db.next_task(["tiny"], 2)["attempts"] == 1
+    # progress is kept; a cancelled task's late result is not stored
+    assert db.task_progress(u["id"], "model", 3, 10, 0.22) == "running"
+    assert db.cancel_task(u["id"]) and not db.cancel_task(u["id"])
+    assert db.task_progress(u["id"], "selection", 1, 10, 0.55) == "cancelled"
+    assert not db.finish_task(u["id"], result={"x": 1})
+    gone = db.task(u["id"])
+    assert gone["status"] == "cancelled" and gone["result"] is None and gone["stage"] == "model"
+    assert db.active_tasks("key:a") == 0
+    assert db.purge_finished(0.0) == 2 and db.task(u["id"]) is None
