@@ -3,13 +3,15 @@ work, and a task that survives its server's crash (started again, at most a boun
 
 from __future__ import annotations
 
+import signal
 import time
 
 import httpx
+import pytest
 
 from prism_tda.service.state import StateDB
 
-from .conftest import assert_problem
+from .conftest import Server, assert_problem
 
 SQL = "SELECT doc_id FROM documents WHERE external_id LIKE 'art/%' ORDER BY doc_id LIMIT 200"
 TASKS = "/v1/prototypes/discover/tasks"
@@ -95,3 +97,46 @@ def test_a_task_outlives_a_crash_a_bounded_number_of_times(tmp_path):
     assert gone["status"] == "cancelled" and gone["result"] is None and gone["stage"] == "model"
     assert db.active_tasks("key:a") == 0
     assert db.purge_finished(0.0) == 2 and db.task(u["id"]) is None
+
+
+@pytest.mark.slow
+def test_a_task_survives_sigkill_and_a_stop(index, tmp_path):
+    """Killed while running: started again after the restart and completed, its starts counted; stopped
+    on purpose (SIGTERM) while running: put back without counting the start."""
+    state = tmp_path / "state"
+    body = {"topic": {"sql": "SELECT doc_id FROM documents"}, "top_n": 60, "min_support": 1, "min_docs": 1,
+            "select": "effect", "max_selected": 12, "max_ppl_ratio": 10}
+
+    def running(server: Server, task_id: str) -> dict:
+        with httpx.Client(base_url=server.url, timeout=30) as c:
+            return wait(c, task_id, until=lambda t: t["status"] == "running" and t["stage"] in ("model", "selection"))
+
+    first = Server([f"tiny={index}"], state, tmp_path / "first.log")
+    try:
+        first.wait_ready()
+        task_id = httpx.post(first.url + TASKS, json=body, timeout=30).json()["id"]
+        assert running(first, task_id)["attempts"] == 1
+        first.signal(signal.SIGKILL)
+        first.proc.wait(10)
+    finally:
+        first.stop()
+    second = Server([f"tiny={index}"], state, tmp_path / "second.log")
+    try:
+        second.wait_ready()
+        assert running(second, task_id)["attempts"] == 2
+        second.signal(signal.SIGTERM)
+        second.proc.wait(60)
+    finally:
+        second.stop()
+    put_back = StateDB(state).task(task_id)
+    assert put_back["status"] == "queued" and put_back["attempts"] == 1, put_back
+    third = Server([f"tiny={index}"], state, tmp_path / "third.log")
+    try:
+        third.wait_ready()
+        with httpx.Client(base_url=third.url, timeout=60) as c:
+            done = wait(c, task_id, timeout=300)
+            assert done["status"] == "completed" and done["attempts"] == 2, done  # killed (counted), stopped (not counted), completed
+            sync = c.post("/v1/prototypes/discover", json=body, timeout=300).json()
+        assert done["result"]["selection"]["prototypes"] == sync["selection"]["prototypes"]
+    finally:
+        third.stop()
