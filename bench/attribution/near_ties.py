@@ -163,7 +163,17 @@ def scores_of(tokens: tuple, I_q: float, doc_norm2: np.ndarray, doc_self_sum: np
     out["document_match"] = np.mean(per_target, axis=0)
     m = np.where(np.isfinite(match), match, 0.0)
     out["cosine_match"] = m.mean(1)
+    # a token-level score with the whole document's agreement added at a small weight: documents that hold
+    # equally well aligned tokens (the plateau) are ordered by how much of the rest of them supports the
+    # output, while a document ahead on its tokens by more than the weight times the spread stays ahead
+    for base in ("cosine_max", "cosine_match"):
+        for lam in COMPOSITE_WEIGHTS:
+            for doc in ("document_cosine", "document_cosine_diag"):
+                out[f"{base}+{lam:g}*{doc}"] = out[base] + lam * out[doc]
     return out
+
+
+COMPOSITE_WEIGHTS = (0.01, 0.05, 0.2)  # 0.05 the primary setting, fixed before the run
 
 
 def near_ties(s: np.ndarray, keep: np.ndarray, k: int = 10) -> int:
@@ -222,6 +232,8 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--reuse", action="store_true",
                     help="take the exact results from --out (a run with the same arguments) and add the fast path")
     ap.add_argument("--out", default="bench/results/near_ties.json")
+    ap.add_argument("--arrays", help="also save every query's per-document scores here (.npz), to try other "
+                                     "combinations of them without another exact pass")
     args = ap.parse_args(argv)
     torch.set_num_threads(os.cpu_count() or 1)
     att = Attributor.open(args.index)
@@ -254,9 +266,12 @@ def main(argv: list[str] | None = None) -> dict:
     taus = {f"q{p}": float(np.percentile(all_self, p)) for p in (50, 90)}
     n = reader.n_docs
     per_query = []
-    for q, enc, tok in zip(queries, encoded, tokens, strict=True):
+    saved: dict[str, np.ndarray] = {}
+    for qi, (q, enc, tok) in enumerate(zip(queries, encoded, tokens, strict=True)):
         I_q = pre.self_influence(enc.G)
         sc = scores_of(tok, I_q, doc_norm2, doc_self_sum, taus, n, doc_proto, enc.prototypes.numpy())
+        if args.arrays:
+            saved.update({f"{qi}/{name}": v.astype(np.float64) for name, v in sc.items() if "*" not in name})
         # the saturation ceiling: a token aligned with target token j reaches <g_j, G> / (|g_j| |G|)
         ceilings = []
         for j in range(enc.n_targets):
@@ -293,6 +308,11 @@ def main(argv: list[str] | None = None) -> dict:
         return {nm: round(float(np.mean([(r["rank_of_fact"][nm] or 10**9) <= k for r in rows])), 3)
                 for nm in names} if rows else None
 
+    if args.arrays:
+        Path(args.arrays).parent.mkdir(parents=True, exist_ok=True)
+        np.savez_compressed(args.arrays, external_id=ext.astype(str), first_of_text=first_of_text,
+                            queries=np.asarray(json.dumps([{k: q[k] for k in ("id", "kind", "wanted") if k in q}
+                                                           for q in queries])), **saved)
     res = {
         "index": str(args.index), "tokens": reader.n_tokens, "documents": n, "queries": len(queries),
         "exact_pass_seconds": round(pass_s, 1), "taus": taus,

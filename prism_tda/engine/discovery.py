@@ -6,7 +6,7 @@ from __future__ import annotations
 import functools
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import numpy as np
@@ -97,17 +97,10 @@ def effect_selection(att: Attributor, topic_ids: list[list[int]] | None, topic_d
     tok, reader = att.tokenizer, att.reader
     cap = min(EFFECT_MAX_TOKENS, max_tokens or EFFECT_MAX_TOKENS)
 
-    def doc_ids_tokens(docs: np.ndarray) -> list[list[int]]:
-        out, n = [], 0
-        for d in docs:
-            if n >= cap:
-                break
-            ids = tok.encode(str(reader.document(int(d))["text"])).ids
-            out.append(ids)
-            n += len(ids)
-        return out
+    def doc_ids_tokens(docs: np.ndarray) -> list[list[int]]:  # each document read only while under the cap
+        return capped(tok.encode(str(reader.document(int(d))["text"])).ids for d in docs)
 
-    def capped(texts: list[list[int]]) -> list[list[int]]:
+    def capped(texts: Iterable[list[int]]) -> list[list[int]]:
         out, n = [], 0
         for ids in texts:
             if n >= cap:
