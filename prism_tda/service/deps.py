@@ -88,6 +88,17 @@ class Services:
         finally:
             self.sql_limiter.release()
 
+    async def check_active(self, principal: Principal, count: Callable[[str], int], limit: int,
+                           refusal: type[problems.ServiceError], what: str, retry_after_s: int) -> None:
+        """Refuse (``refusal``, 429) a non-admin key that already has ``limit`` queued or running ``what``
+        (``count``: the key's active ones, from the state database)."""
+        if principal.admin:
+            return
+        active = await self.io(count, principal.id)
+        if active >= limit:
+            raise refusal(f"this key has {active} queued or running {what} (the limit is {limit}); wait for one "
+                          "to finish or cancel one", headers={"Retry-After": str(retry_after_s)})
+
     def check_limits(self, *, where: str = "", max_new_tokens: int | None = None,
                      n_items: tuple[str, int] | None = None, options: QueryOptions | None = None,
                      context: int | None = None) -> None:

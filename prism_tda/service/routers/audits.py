@@ -90,12 +90,8 @@ async def create_audit(body: AuditRequest, services: ServicesDep, principal: Pri
     options = body.options()
     services.check_limits(n_items=("items", len(body.items)), options=options, context=ix.attributor.encoder.context)
     services.check_limits(n_items=("flag_prototypes", len(body.flag_prototypes or [])))
-    if not principal.admin:
-        active = await services.io(services.state.active_jobs, principal.id)
-        limit = services.settings.max_active_audits_per_key
-        if active >= limit:
-            raise p.AuditQuota(f"this key has {active} queued or running audits (the limit is {limit}); wait for "
-                               "one to finish or cancel one", headers={"Retry-After": "30"})
+    await services.check_active(principal, services.state.active_jobs, services.settings.max_active_audits_per_key,
+                                p.AuditQuota, "audits", 30)
     sets: dict[str, list[int]] = {}
 
     async def resolve(name: str, field: str) -> list[int]:

@@ -184,12 +184,8 @@ async def create_discover_task(body: DiscoverRequest, services: ServicesDep, pri
     run by the server's background worker, its progress and result at `GET
     /v1/prototypes/discover/tasks/{task_id}`. A SQL source is resolved to its documents now."""
     ix = services.registry.get(body.index)
-    if not principal.admin:
-        active = await services.io(services.state.active_tasks, principal.id)
-        limit = services.settings.max_active_tasks_per_key
-        if active >= limit:
-            raise p.TaskQuota(f"this key has {active} queued or running background tasks (the limit is {limit}); "
-                              "wait for one to finish or cancel one", headers={"Retry-After": "10"})
+    await services.check_active(principal, services.state.active_tasks, services.settings.max_active_tasks_per_key,
+                                p.TaskQuota, "background tasks", 10)
     topic = await _doc_ids(services, ix, body.topic, "topic", principal)
     contrast = await _doc_ids(services, ix, body.contrast, "contrast", principal)
     params = dict(topic=topic, contrast=contrast, top_n=body.top_n, min_support=body.min_support,
