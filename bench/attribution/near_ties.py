@@ -183,15 +183,21 @@ def near_ties(s: np.ndarray, keep: np.ndarray, k: int = 10) -> int:
 
 
 def fast_overlap(att: Attributor, queries: list[dict], per_query: list[dict], aggregations: list[str],
-                 n: int = 10, **options) -> dict:
+                 n: int = 10, exact: np.lib.npyio.NpzFile | None = None, ext: np.ndarray | None = None,
+                 **options) -> dict:
     """The fast path (as served: default settings unless ``options`` (QueryOptions fields) say
     otherwise, one query at a time, every document allowed) against the exact top 10 of each
-    aggregation: strict overlap@10 per query kind, seconds per query and documents re-ranked."""
+    aggregation: strict overlap@10 per query kind, seconds per query and documents re-ranked. With
+    ``exact`` (the per-document exact scores ``--arrays`` saved) also the tie-aware agreement: the share of
+    the returned documents whose exact score is at least the exact 10th-best one less 0.1% (a document
+    tied with the 10th counts as right, whichever of the tied ones either path keeps)."""
     out: dict = {}
+    row_of = {str(e): i for i, e in enumerate(ext)} if ext is not None else {}
     for agg in aggregations:
         ov: dict[str, list[float]] = {}
+        tied_ok: dict[str, list[float]] = {}
         secs, reranked = [], []
-        for q, row in zip(queries, per_query, strict=True):
+        for qi, (q, row) in enumerate(zip(queries, per_query, strict=True)):
             t0 = time.perf_counter()
             res = att.attribute(QuerySpec(q["prompt"], q["completion"]),
                                 QueryOptions(n_documents=n, aggregation=agg, include_untrained=True, **options))
@@ -199,7 +205,14 @@ def fast_overlap(att: Attributor, queries: list[dict], per_query: list[dict], ag
             reranked.append(res.documents_reranked)
             got = {d.external_id for d in res.documents}
             ov.setdefault(q["kind"], []).append(len(got & set(row["top10"][agg])) / max(len(row["top10"][agg]), 1))
+            if exact is not None and f"{qi}/{agg}" in exact:
+                s = exact[f"{qi}/{agg}"]
+                kth = float(np.sort(s)[::-1][n - 1])
+                ok = [s[row_of[d.external_id]] >= kth - 1e-3 * abs(kth) for d in res.documents]
+                tied_ok.setdefault(q["kind"], []).append(float(np.mean(ok)) if ok else 0.0)
         out[agg] = {"overlap_at_10": {k: round(float(np.mean(v)), 3) for k, v in ov.items()},
+                    **({"tie_aware_at_10": {k: round(float(np.mean(v)), 3) for k, v in tied_ok.items()}}
+                       if tied_ok else {}),
                     "seconds_per_query_median": round(float(np.median(secs)), 3),
                     "documents_reranked_mean": round(float(np.mean(reranked)), 2)}
     return out
@@ -233,7 +246,8 @@ def main(argv: list[str] | None = None) -> dict:
                     help="take the exact results from --out (a run with the same arguments) and add the fast path")
     ap.add_argument("--out", default="bench/results/near_ties.json")
     ap.add_argument("--arrays", help="also save every query's per-document scores here (.npz), to try other "
-                                     "combinations of them without another exact pass")
+                                     "combinations of them without another exact pass; with --reuse, read "
+                                     "them to measure the fast path's tie-aware agreement")
     args = ap.parse_args(argv)
     torch.set_num_threads(os.cpu_count() or 1)
     att = Attributor.open(args.index)
@@ -253,8 +267,10 @@ def main(argv: list[str] | None = None) -> dict:
     if args.reuse:
         res = json.loads(Path(args.out).read_text())
         assert [r["id"] for r in res["per_query"]] == [q["id"] for q in queries], "--reuse: other queries"
-        res["fast"] = fast_overlap(att, queries, res["per_query"], args.fast.split(","))
-        res["fast_variants"] = {name: fast_overlap(att, queries, res["per_query"], args.fast.split(","), **opts)
+        saved = np.load(args.arrays) if args.arrays else None
+        res["fast"] = fast_overlap(att, queries, res["per_query"], args.fast.split(","), exact=saved, ext=ext)
+        res["fast_variants"] = {name: fast_overlap(att, queries, res["per_query"], args.fast.split(","),
+                                                   exact=saved, ext=ext, **opts)
                                 for name, opts in args.variants.items()}
         return finish(headline(res), "attribution/near_ties.py", argv, args.out, hide=("per_query",))
     encoded = [att.encode(QuerySpec(q["prompt"], q["completion"])) for q in queries]
