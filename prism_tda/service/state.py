@@ -322,6 +322,10 @@ class StateDB:
         """The oldest unfinished task on one of ``index_names``, marked running and its start counted; a
         task already started ``max_attempts`` times is failed instead."""
         marks = ", ".join("?" * len(index_names))
+        with self._connect() as con:  # the idle worker's poll: a read, no write lock
+            if con.execute(f"SELECT 1 FROM tasks WHERE status IN ('queued', 'running') AND index_name IN ({marks}) "
+                           "LIMIT 1", index_names).fetchone() is None:
+                return None
         while True:
             with self._tx() as con:
                 row = con.execute(f"SELECT * FROM tasks WHERE status IN ('queued', 'running') AND index_name IN "
