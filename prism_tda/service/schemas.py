@@ -403,6 +403,12 @@ class DiscoverTask(BaseModel):
                                                         "/v1/prototypes/discover` answers it.")
 
 
+class DiscoverTaskList(BaseModel):
+    total: int = Field(description="Tasks that match, over every page.")
+    tasks: list[DiscoverTask] = Field(description="This page, newest first (without `result`: GET the task).")
+    next_offset: int | None = Field(description="`offset` of the next page; null on the last page.")
+
+
 # ---------------------------------------------------------------------------- health
 class Health(BaseModel):
     status: str

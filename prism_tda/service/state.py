@@ -312,6 +312,23 @@ class StateDB:
             row = con.execute("SELECT * FROM tasks WHERE id = ?", (task_id,)).fetchone()
         return _task(row) if row is not None else None
 
+    def tasks(self, principal: str | None, *, status: str | None = None, index_name: str | None = None,
+              offset: int = 0, limit: int = 50) -> tuple[int, list[dict[str, Any]]]:
+        """(total, page) of the tasks of ``principal`` (None: everyone's), newest first, without results."""
+        where, args = [], []
+        for col, val in (("principal", principal), ("status", status), ("index_name", index_name)):
+            if val is not None:
+                where.append(f"{col} = ?")
+                args.append(val)
+        cond = (" WHERE " + " AND ".join(where)) if where else ""
+        with self._connect() as con:
+            total = con.execute(f"SELECT count(*) FROM tasks{cond}", args).fetchone()[0]
+            rows = con.execute(f"SELECT id, kind, index_name, principal, status, created_at, updated_at, params, "
+                               f"stage, stage_done, stage_total, progress, attempts, NULL AS result, error FROM "
+                               f"tasks{cond} ORDER BY created_at DESC, id DESC LIMIT ? OFFSET ?",
+                               [*args, limit, offset]).fetchall()
+        return int(total), [_task(r) for r in rows]
+
     def active_tasks(self, principal: str) -> int:
         """Queued or running tasks of ``principal``."""
         with self._connect() as con:

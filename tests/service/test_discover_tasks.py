@@ -62,13 +62,24 @@ def test_cancelling_a_running_task_stops_its_work(client):
     t0 = time.monotonic()
     r = client.delete(f"{TASKS}/{slow['id']}")
     assert r.status_code == 200 and r.json()["status"] == "cancelled", r.text
-    assert_problem(client.delete(f"{TASKS}/{slow['id']}"), 409, "task-finished", mentions="cancelled")
+    again = client.delete(f"{TASKS}/{slow['id']}")  # cancelling again answers the cancelled task
+    assert again.status_code == 200 and again.json()["status"] == "cancelled", again.text
     # the worker is free again soon: a task submitted after the cancel completes
     quick = wait(client, client.post(TASKS, json={"topic": {"sql": SQL}, "top_n": 3}).json()["id"])
     assert quick["status"] == "completed"
     assert time.monotonic() - t0 < 30
     after = client.get(f"{TASKS}/{slow['id']}").json()
     assert after["status"] == "cancelled" and after["result"] is None and after["progress"] < 1.0
+    assert_problem(client.delete(f"{TASKS}/{quick['id']}"), 409, "task-finished", mentions="completed")
+    # listed newest first, filtered by status, without results
+    listed = client.get(TASKS, params={"limit": 200}).json()
+    ids = [t["id"] for t in listed["tasks"]]
+    assert ids.index(quick["id"]) < ids.index(slow["id"]) and all(t["result"] is None for t in listed["tasks"])
+    assert [t["created_at"] for t in listed["tasks"]] == sorted((t["created_at"] for t in listed["tasks"]), reverse=True)
+    cancelled = client.get(TASKS, params={"status": "cancelled"}).json()["tasks"]
+    assert slow["id"] in {t["id"] for t in cancelled} and all(t["status"] == "cancelled" for t in cancelled)
+    page = client.get(TASKS, params={"limit": 1}).json()
+    assert len(page["tasks"]) == 1 and page["next_offset"] == 1 and page["total"] == listed["total"]
 
 
 def test_a_task_outlives_a_crash_a_bounded_number_of_times(tmp_path):

@@ -418,6 +418,11 @@ def test_background_tasks_belong_to_their_key(tenants):
     assert httpx.get(f"{url}{tasks}/{mine}", headers=auth(A)).json()["status"] in ("queued", "running")
     assert httpx.get(f"{url}{tasks}/{theirs.json()['id']}", headers=auth(ADMIN)).status_code == 200
     assert httpx.get(f"{url}{tasks}/{mine}").status_code == 401
+    # listing: each key its own; admins everyone's
+    listed_b = {t["id"] for t in httpx.get(url + tasks, headers=auth(B)).json()["tasks"]}
+    assert theirs.json()["id"] in listed_b and mine not in listed_b
+    listed_admin = {t["id"] for t in httpx.get(url + tasks, params={"limit": 200}, headers=auth(ADMIN)).json()["tasks"]}
+    assert {mine, theirs.json()["id"]} <= listed_admin
     # A cancels its own; then it may start another
     assert httpx.delete(f"{url}{tasks}/{mine}", headers=auth(A)).json()["status"] == "cancelled"
     again = httpx.post(url + tasks, json={"topic": {"texts": ["a picture of a dog"]}, "min_docs": 1}, headers=auth(A))

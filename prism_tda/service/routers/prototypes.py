@@ -12,6 +12,7 @@ from ..schemas import (
     DiscoverRequest,
     DiscoverResponse,
     DiscoverTask,
+    DiscoverTaskList,
     Prototype,
     PrototypeList,
     PrototypeSet,
@@ -198,6 +199,21 @@ async def create_discover_task(body: DiscoverRequest, services: ServicesDep, pri
     return task_view(t)
 
 
+@router.get("/discover/tasks", response_model=DiscoverTaskList, responses=p.responses())
+async def list_discover_tasks(services: ServicesDep, principal: PrincipalDep,
+                              status: Annotated[Literal["queued", "running", "completed", "failed", "cancelled"] | None,
+                                                Query(description="Only tasks in this status.")] = None,
+                              index: Annotated[str | None, Query(max_length=200, description="Only tasks of this "
+                                                                 "index.")] = None,
+                              offset: Annotated[int, Query(ge=0, le=2**31 - 1)] = 0,
+                              limit: Annotated[int, Query(ge=1, le=200)] = 50) -> DiscoverTaskList:
+    """This key's background discoveries (admin keys: everyone's), newest first, a page at a time."""
+    total, tasks = await services.io(services.state.tasks, None if principal.admin else principal.id, status=status,
+                                     index_name=index, offset=offset, limit=limit)
+    nxt = offset + len(tasks)
+    return DiscoverTaskList(total=total, tasks=[task_view(t) for t in tasks], next_offset=nxt if nxt < total else None)
+
+
 @router.get("/discover/tasks/{task_id}", response_model=DiscoverTask, responses=p.responses(p.TaskNotFound))
 async def get_discover_task(task_id: TaskId, services: ServicesDep, principal: PrincipalDep) -> DiscoverTask:
     """A background discovery: its status and progress, and its result once completed."""
@@ -208,8 +224,11 @@ async def get_discover_task(task_id: TaskId, services: ServicesDep, principal: P
                responses=p.responses(p.TaskNotFound, p.TaskFinished))
 async def cancel_discover_task(task_id: TaskId, services: ServicesDep, principal: PrincipalDep) -> DiscoverTask:
     """Cancel a queued or running background discovery (a running one stops at the model's next batch or
-    candidate, within about a second)."""
-    t = await _task(services, task_id, principal)
+    candidate, within about a second); cancelling a cancelled task again answers it as it is."""
+    await _task(services, task_id, principal)
     if not await services.io(services.state.cancel_task, task_id):
-        raise p.TaskFinished(f"background task {task_id!r} has already finished ({t['status']})")
+        t = await _task(services, task_id, principal)
+        if t["status"] != "cancelled":
+            raise p.TaskFinished(f"background task {task_id!r} has already finished ({t['status']}); only queued "
+                                 "or running tasks can be cancelled")
     return task_view(await _task(services, task_id, principal))
