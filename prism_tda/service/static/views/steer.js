@@ -15,6 +15,7 @@ function defaultSetName() {
 }
 
 export async function render(root, { params }) {
+  const page = { left: false }; // set when the page is left: a task's polling stops
   const examples = h("textarea", { id: "steer-texts", rows: 6, placeholder: "One example per paragraph (blank line between examples)." });
   const filter = h("input", { id: "steer-sql", type: "text", spellcheck: "false", value: params.get("sql") || "",
     placeholder: "SELECT doc_id FROM documents WHERE external_id LIKE 'zippy/%'" });
@@ -46,7 +47,7 @@ export async function render(root, { params }) {
     await busy(submit, status, "Discovering…", async () => {
       try {
         if (byEffect.checked) {  // the model runs over the topic and the contrast: a background task
-          await runTask(found, { ...body, select: "effect" });
+          await runTask(found, { ...body, select: "effect" }, page);
         } else {
           showFound(found, await api("POST", "/v1/prototypes/discover", { body }));
         }
@@ -55,17 +56,14 @@ export async function render(root, { params }) {
       }
     });
   });
-  return () => { left = true; };
+  return () => { page.left = true; };
 }
-
-let left = false; // the page was left: stop polling
 
 const STAGES = { ranking: "ranking prototypes", model: "running the model over the topic and the contrast",
   selection: "measuring candidate sets" };
 
 /** Submit a background discovery, show its progress with a cancel button, then its result. */
-async function runTask(out, body) {
-  left = false;
+async function runTask(out, body, page) {
   let task = await api("POST", "/v1/prototypes/discover/tasks", { body });
   const bar = h("progress", { id: "steer-progress", max: 1, value: 0 });
   const line = h("p", { class: "status", role: "status", id: "steer-task" }, "Queued…");
@@ -74,14 +72,14 @@ async function runTask(out, body) {
     try { await api("DELETE", `/v1/prototypes/discover/tasks/${task.id}`); } catch (e) { out.prepend(errorBox(e)); }
   });
   clear(out, h("section", { class: "card" }, h("div", { class: "row" }, bar, line, cancel)));
-  while (!left && (task.status === "queued" || task.status === "running")) {
+  while (!page.left && (task.status === "queued" || task.status === "running")) {
     bar.value = task.progress;
     line.textContent = task.status === "queued" ? "Queued…" : `${STAGES[task.stage] || task.stage || "starting"}` +
       (task.stage_total ? ` (${task.stage_done} of ${task.stage_total})` : "") + ` · ${Math.round(100 * task.progress)}%`;
     await new Promise((r) => setTimeout(r, 400));
     task = await api("GET", `/v1/prototypes/discover/tasks/${task.id}`);
   }
-  if (left) return;
+  if (page.left) return;
   if (task.status === "completed") showFound(out, task.result);
   else if (task.status === "cancelled") clear(out, h("p", { class: "muted", id: "steer-cancelled" }, "Cancelled."));
   else clear(out, errorBox(new Error(task.error || `the task ${task.status}`)));
