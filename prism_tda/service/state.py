@@ -182,12 +182,7 @@ class StateDB:
     def jobs(self, principal: str | None, *, status: str | None = None, index_name: str | None = None,
              offset: int = 0, limit: int = 50) -> tuple[int, list[dict[str, Any]]]:
         """(total, page) of the audits of ``principal`` (None: everyone's), newest first."""
-        where, args = [], []
-        for col, val in (("principal", principal), ("status", status), ("index_name", index_name)):
-            if val is not None:
-                where.append(f"{col} = ?")
-                args.append(val)
-        cond = (" WHERE " + " AND ".join(where)) if where else ""
+        cond, args = _filter(principal=principal, status=status, index_name=index_name)
         with self._connect() as con:
             total = con.execute(f"SELECT count(*) FROM jobs{cond}", args).fetchone()[0]
             rows = con.execute(f"SELECT * FROM jobs{cond} ORDER BY created_at DESC, id DESC LIMIT ? OFFSET ?",
@@ -315,12 +310,7 @@ class StateDB:
     def tasks(self, principal: str | None, *, status: str | None = None, index_name: str | None = None,
               offset: int = 0, limit: int = 50) -> tuple[int, list[dict[str, Any]]]:
         """(total, page) of the tasks of ``principal`` (None: everyone's), newest first, without results."""
-        where, args = [], []
-        for col, val in (("principal", principal), ("status", status), ("index_name", index_name)):
-            if val is not None:
-                where.append(f"{col} = ?")
-                args.append(val)
-        cond = (" WHERE " + " AND ".join(where)) if where else ""
+        cond, args = _filter(principal=principal, status=status, index_name=index_name)
         with self._connect() as con:
             total = con.execute(f"SELECT count(*) FROM tasks{cond}", args).fetchone()[0]
             rows = con.execute(f"SELECT id, kind, index_name, principal, status, created_at, updated_at, params, "
@@ -494,6 +484,12 @@ def _audit_results(con: sqlite3.Connection, index_name: str | None, job_id: str 
         cols["used_prototypes"].append(json.loads(r["used_prototypes"] or "[]"))
         cols["removed"].append(False)
     return pa.table(cols, schema=AUDIT_RESULTS_SCHEMA)
+
+
+def _filter(**equal: str | None) -> tuple[str, list[str]]:
+    """A ``WHERE`` clause (or nothing) requiring each column given a value to equal it, and its arguments."""
+    given = {col: val for col, val in equal.items() if val is not None}
+    return (" WHERE " + " AND ".join(f"{col} = ?" for col in given)) if given else "", list(given.values())
 
 
 def _job(row: sqlite3.Row) -> dict[str, Any]:
