@@ -22,8 +22,8 @@ ORDERS = {"mass": "mass", "n_tokens": "n_tokens", "proto_id": "proto_id"}
 
 class Catalog:
     def __init__(self, reader: Reads, model: Any = None, tokenizer: Any = None) -> None:
-        """``model`` and ``tokenizer``: to name prototypes without a stored label (c-TF-IDF, computed
-        on first use and kept)."""
+        """``model`` and ``tokenizer``: to name prototypes without a stored label (``prototype_labels``,
+        computed on first use and kept)."""
         self.reader, self.model, self.tokenizer = reader, model, tokenizer
         self._labels: dict[int, str] | None = None
         self._labels_sig: tuple[int, int, int] | None = None

@@ -11,9 +11,15 @@ handful of tokens; prototypes active on fewer than ``min_support`` topic tokens 
 and contrast support, the share of the topic's activation mass it carries, and its strongest
 topic contexts.
 
-**Labels.** Class-based TF-IDF (each prototype a class): the words of a prototype's top contexts
-(the activating token, weighted double, and its neighbours) and of its logit signature, weighted by
-how often each word is in that class against how many classes use it; the top words name it.
+**Labels.** What a prototype's top contexts share, in two parts. First the tokens it fires on: each
+activating token form (whitespace shown as ``↵`` and ``⇥``, a leading space dropped) that fires in at
+least ``min_share`` of the contexts, in quotes, most common first. Then context words that most of
+them share: class-based TF-IDF (each prototype a class) over the words of each context (the
+6 tokens either side of the activating one, widened to whole words), each counted once per
+context, kept when at least ``min_share`` of the contexts hold them. After an arrow, the tokens that follow the activating
+one in at least ``min_share`` of the contexts (at most two), when it has tokens. A prototype whose contexts
+share neither is named as before this rule, by the top c-TF-IDF words of its contexts (the
+activating word counted double) and of its logit signature. ``label_parts`` reads a label back.
 """
 
 from __future__ import annotations
@@ -211,26 +217,75 @@ def word_window(tokenizer: Tokenizer, ids: list[int], a: int, b: int, most: int 
     return lo, hi
 
 
+def token_form(piece: str) -> str:
+    """A token as a label shows it: a leading space dropped, newlines and tabs made visible."""
+    piece = piece[1:] if piece.startswith(" ") and piece.strip() else piece
+    return piece.replace("\n", "↵").replace("\t", "⇥")
+
+
+QUOTED = re.compile(r'"([^"]+)"')
+
+
+def label_parts(label: str) -> tuple[set[str], set[str]]:
+    """(token forms, words) of a label ``prototype_labels`` made: the quoted tokens it fires on, and the
+    words of the rest, up to the arrow that introduces the tokens that follow."""
+    label = label.split(" → ", 1)[0]
+    return set(QUOTED.findall(label)), set(words(QUOTED.sub(" ", label)))
+
+
 def prototype_labels(reader: Reads, model: PRISM, tokenizer: Tokenizer, *, n_contexts: int = 10, n_signature: int = 10,
-                     n_words: int = 3) -> dict[int, str]:
-    """A few words naming each prototype (c-TF-IDF over its top contexts, each widened to whole words, and
-    its logit signature); ``reader``: an index reader (``engine/reader.py``)."""
+                     n_words: int = 3, min_share: float = 0.3) -> dict[int, str]:
+    """A few tokens and words naming each prototype (see the module docstring); ``reader``: an index
+    reader (``engine/reader.py``)."""
     K = model.cfg.n_prototypes
     _, sig = model.signatures(None, n_signature)
-    classes: dict[int, Counter] = {}
+    weighted: dict[int, Counter] = {}  # the fallback's classes: words weighted by where they sit
+    shared: dict[int, Counter] = {}  # words counted once per context
+    fired: dict[int, Counter] = {}
+    followed: dict[int, Counter] = {}  # the token after the activating one
+    n_ctx: dict[int, int] = {}
     for p in range(K):
         c: Counter = Counter()
-        for row, _ in reader.top_contexts(p, n_contexts):
+        once: Counter = Counter()
+        forms: Counter = Counter()
+        after: Counter = Counter()
+        contexts = reader.top_contexts(p, n_contexts)
+        for row, _ in contexts:
             _, _, pos, ids = token_context(reader, row)
+            forms[token_form(tokenizer.decode([ids[pos]]))] += 1
+            if pos + 1 < len(ids):
+                after[token_form(tokenizer.decode([ids[pos + 1]]))] += 1
             a, b = word_window(tokenizer, ids, max(0, pos - 6), min(len(ids), pos + 6))
             start, end = len(tokenizer.decode(ids[a:pos])), len(tokenizer.decode(ids[a : pos + 1]))
+            seen: set[str] = set()
             for m in WORD.finditer(tokenizer.decode(ids[a:b])):
                 for w in words(m.group(0)):
                     # the whole word the token is part of counts double; its neighbours once
                     c[w] += 2 if m.start() < end and m.end() > start else 1
+                    seen.add(w)
+            once.update(seen)
         c.update(words(" ".join(tokenizer.decode([int(t)]) for t in sig[p].tolist())))
-        classes[p] = c
-    return {p: " ".join(ws) for p, ws in c_tf_idf_labels(classes, n_words).items() if ws}
+        weighted[p], shared[p], fired[p], n_ctx[p] = c, once, forms, len(contexts)
+        followed[p] = after
+    fallback = c_tf_idf_labels(weighted, n_words)
+    ranked = c_tf_idf_labels(shared, len(max(shared.values(), key=len, default=())))
+    out = {}
+
+    def most(c: Counter, need: int, n: int) -> list[str]:
+        return [t for t, k in sorted(c.items(), key=lambda x: (-x[1], x[0])) if k >= need and t.strip()
+                and '"' not in t and "→" not in t][:n]
+
+    for p in range(K):
+        need = max(2, math.ceil(min_share * n_ctx[p]))
+        tokens = most(fired[p], need, n_words)
+        named = {t.lower() for t in tokens}
+        common = [w for w in ranked.get(p, []) if shared[p][w] >= need and w not in named][: max(0, n_words - len(tokens))]
+        nxt = most(followed[p], need, 2) if tokens else []
+        if tokens or common:
+            out[p] = " ".join([*(f'"{t}"' for t in tokens), *common, *(["→", *(f'"{t}"' for t in nxt)] if nxt else [])])
+        elif fallback.get(p):
+            out[p] = " ".join(fallback[p])
+    return out
 
 
 def c_tf_idf_labels(classes: dict[int, Counter], n_words: int = 3) -> dict[int, list[str]]:

@@ -181,3 +181,40 @@ def test_selection_by_effect_is_greedy_on_the_measured_losses(tiny_ckpt):
     assert steps[-1].contrast_ppl_ratio == pytest.approx(math.exp(d[2]), abs=1e-6)
     with pytest.raises(QueryError):
         EffectTexts.of(model, ([], [], enc(["Never trust a man."])))
+
+
+def test_labels_name_what_the_top_contexts_share(tiny_ckpt, index):
+    """A label's quoted tokens are tokens its prototype fires on in at least 30% of its top 10 contexts, its
+    words are in that many of their windows, and the tokens after the arrow follow that often; a prototype
+    whose contexts share nothing keeps the earlier rule's c-TF-IDF words (no quotes)."""
+    from prism_tda.engine.reader import IndexReader
+    from prism_tda.engine.reads import token_context
+    from prism_tda.engine.steering import WORD, label_parts, prototype_labels, token_form, word_window, words
+    from prism_tda.model import checkpoint as ckpt
+
+    model, tok, _ = ckpt.load_checkpoint(tiny_ckpt)
+    reader = IndexReader(index)
+    labels = prototype_labels(reader, model, tok)
+    earlier = prototype_labels(reader, model, tok, min_share=2.0)
+    assert not any('"' in v for v in earlier.values())
+    n_tokens = 0
+    for p, label in labels.items():
+        ctx = reader.top_contexts(p, 10)
+        need = max(2, -(-3 * len(ctx) // 10))
+        fired, after, windows = [], [], []
+        for row, _ in ctx:
+            _, _, pos, ids = token_context(reader, row)
+            fired.append(token_form(tok.decode([ids[pos]])))
+            after.append(token_form(tok.decode([ids[pos + 1]])) if pos + 1 < len(ids) else None)
+            a, b = word_window(tok, ids, max(0, pos - 6), min(len(ids), pos + 6))
+            windows.append({w for m in WORD.finditer(tok.decode(ids[a:b])) for w in words(m.group(0))})
+        tokens, label_words = label_parts(label)
+        if not tokens and all(sum(w in win for win in windows) < need for w in label_words):
+            assert label == earlier[p]  # nothing shared: the earlier rule's words
+            continue
+        n_tokens += bool(tokens)
+        assert all(fired.count(t) >= need for t in tokens), (p, label, fired)
+        assert all(sum(w in win for win in windows) >= need for w in label_words), (p, label)
+        if " → " in label:
+            assert all(after.count(t) >= need for t in label_parts(label.split(" → ", 1)[1])[0]), (p, label, after)
+    assert n_tokens > 0

@@ -299,9 +299,10 @@ def test_steer_discover_save_and_compare(page, web_live):
 
 
 def test_prototypes_are_searchable_by_label(page, web_live):
-    first = httpx.get(web_live.url + "/v1/prototypes", params={"limit": 1}, timeout=60).json()["prototypes"][0]
-    assert first["label"], first
-    word = first["label"].split()[0]
+    rows = httpx.get(web_live.url + "/v1/prototypes", params={"limit": 100}, timeout=60).json()["prototypes"]
+    assert rows and rows[0]["label"], rows[:1]
+    # a label word the URL carries as written (labels also quote tokens such as "↵")
+    first, word = next((r, w) for r in rows for w in re.findall(r"[A-Za-z]{2,}", r["label"]))
     page.goto(web_live.url + "/#/prototypes")
     page.fill("#proto-q", word)
     page.get_by_role("button", name="Search").click()
