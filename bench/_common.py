@@ -60,9 +60,10 @@ def index_sequences(index_dir: str | Path) -> dict[str, list]:
 
 
 @contextlib.contextmanager
-def served(index: str | Path, name: str = "bench", *, poll_s: float = 0.1, options: tuple[str, ...] = ()):
+def served(index: str | Path, name: str = "bench", *, poll_s: float = 0.1, options: tuple[str, ...] = (),
+           env: dict[str, str] | None = None):
     """``prism serve`` on one index as its own process (loopback, no rate limit, its own state
-    directory, more ``options`` of `prism serve`); yields (process, base URL, seconds until
+    directory, more ``options`` of `prism serve`, more ``env``ironment); yields (process, base URL, seconds until
     ``/readyz`` answered); stops it on exit."""
     import shutil
     import signal
@@ -77,7 +78,7 @@ def served(index: str | Path, name: str = "bench", *, poll_s: float = 0.1, optio
         port = s.getsockname()[1]
     url = f"http://127.0.0.1:{port}"
     state = tempfile.mkdtemp(prefix="prism-bench-state-")
-    env = {**os.environ, "PRISM_RATE_LIMIT_PER_MINUTE": "0"}
+    env = {**os.environ, "PRISM_RATE_LIMIT_PER_MINUTE": "0", **(env or {})}
     t0 = time.perf_counter()
     server = subprocess.Popen([sys.executable, "-m", "prism_tda.cli", "--log-level", "warning", "serve", "--index",
                                f"{name}={index}", "--port", str(port), "--state-dir", state, *options], env=env)

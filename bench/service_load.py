@@ -99,13 +99,21 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--index", default="runs/demo/index")
     ap.add_argument("--requests", type=int, default=200, help="requests per endpoint and concurrency")
     ap.add_argument("--concurrency", default="1,8")
+    ap.add_argument("--endpoints", default="attribute,sql", help="which endpoints to load, comma-separated")
+    ap.add_argument("--server", action="append", default=[], metavar="SETTING=VALUE",
+                    help="a setting of the server (`prism serve`'s PRISM_* environment), e.g. torch_threads=1; "
+                         "repeatable, recorded in the result")
+    ap.add_argument("--workers", type=int, default=1, help="server processes (`prism serve --workers`)")
     ap.add_argument("--out", default="bench/results/service.json")
     args = ap.parse_args(argv)
+    server = dict(kv.split("=", 1) for kv in args.server)
+    wanted = {f"/v1/{e.strip()}" for e in args.endpoints.split(",")}
     index = Path(args.index).resolve()
     manifest = json.loads((index / layout.MANIFEST).read_text())
     prompts = prompts_of(Path(manifest["checkpoint"]) / "tokenizer.json", 50)
     n_protos = manifest["model"]["n_prototypes"]
-    with served(index, "demo", poll_s=0.2) as (_, url, startup_s):
+    env = {f"PRISM_{k.upper()}": v for k, v in server.items()}
+    with served(index, "demo", poll_s=0.2, env=env, options=("--workers", str(args.workers))) as (_, url, startup_s):
         bodies = {
             "/v1/attribute": lambda i: {"prompt": prompts[i % len(prompts)], "completion": " is a machine",
                                         "top_k": 10, "mode": "fast"},
@@ -114,11 +122,13 @@ def main(argv: list[str] | None = None) -> dict:
         }
         results: dict[str, dict[str, dict]] = {}
         for path, body in bodies.items():
+            if path not in wanted:
+                continue
             run_load(url, body, 10, 2, path)  # warm-up
             for c in [int(x) for x in args.concurrency.split(",")]:
                 results.setdefault(path, {})[str(c)] = r = run_load(url, body, args.requests, c, path)
                 print(path, c, {k: r[k] for k in ("p50_ms", "p99_ms", "requests_per_s", "errors")}, flush=True)
-    a = results["/v1/attribute"]
+    a = results.get("/v1/attribute", {})
     res = {
         "results": results, "server_startup_s": round(startup_s, 2),
         "prompt_tokens": 64, "completion": " is a machine",
@@ -126,7 +136,8 @@ def main(argv: list[str] | None = None) -> dict:
                     "attribute_p99_ms_8_clients": {"value": a.get("8", {}).get("p99_ms"), "target": 400},
                     "errors": {"value": sum(r["errors"] for p in results.values() for r in p.values()), "target": 0}},
         "machine": {"cpu_cores": os.cpu_count()},
-        "config": {"index": str(index), "requests": args.requests, "concurrency": args.concurrency},
+        "config": {"index": str(index), "requests": args.requests, "concurrency": args.concurrency,
+                   "server": server, "workers": args.workers},
     }
     return finish(res, "service_load.py", argv, args.out)
 

@@ -39,6 +39,11 @@ over prompts.
 7. **Graded strength**: the headline set and the selected set at alpha 0.25 ... 3 (activations scaled,
    ``PRISM.forward(alpha=...)``; alpha > 1 boosts), and at alpha 0 with the residual's component in
    the set's span removed too (``project=True``).
+8. **What the measurement allows**: the classifier's rate on generation-length windows (``--new-tokens``
+   tokens at a seeded offset) of documents it was not fitted on: other categories' training documents
+   (its false-positive floor: text with nothing of the topic is still called on-topic this often) and
+   the topic's discovery half (its recall at that length); the relative drop that a rate at the floor
+   would give; and every prototype of the bank suppressed at once (the logits from the residual alone).
 
     python -m bench.steering --index runs/demo_idle/index
 
@@ -376,6 +381,29 @@ def main(argv: list[str] | None = None) -> dict:
     sets = {"headline": head["prototypes"], **({"selected": selected} if selected else {})}
     alpha_curve = {name: [{"alpha": a, **row(measure(ids_, alpha=a))} for a in args.alphas] for name, ids_ in sets.items()}
     projection = {name: {"alpha": 0.0, **row(measure(ids_, project=True))} for name, ids_ in sets.items()}
+    # 8. the classifier's floor at generation length, on documents it was not fitted on; the whole bank off
+    fit_docs = set(clf_docs.tolist())
+    wrng = np.random.default_rng(args.seed + 2)
+
+    def windows(which: np.ndarray, n: int) -> list[str]:
+        out = []
+        for i in wrng.permutation([j for j in which if j not in fit_docs])[:n]:
+            t = tok.encode(docs["text"][i]).ids
+            at = int(wrng.integers(0, max(1, len(t) - args.new_tokens + 1)))
+            out.append(tok.decode(t[at : at + args.new_tokens]))
+        return out
+
+    neg_w = windows(np.nonzero(~topic & trained)[0], 2000)
+    pos_w = windows(np.nonzero(topic & trained & half)[0], 2000)
+    on_neg = clf.predict(neg_w).astype(float)
+    fp = float(on_neg.mean()) if neg_w else float("nan")
+    boot = [np.random.default_rng(r).choice(on_neg, len(on_neg)).mean() for r in range(1000)] if neg_w else [fp]
+    floor = {"other_windows": len(neg_w), "false_positive_rate": round(fp, 4),
+             "false_positive_rate_ci": [round(float(x), 4) for x in np.percentile(boot, [2.5, 97.5])],
+             "topic_windows": len(pos_w), "recall": round(float(clf.predict(pos_w).mean()), 4) if pos_w else None,
+             "largest_drop_at_floor": round(1 - fp / max(rate_b, 1e-9), 4)}
+    whole = row(measure(list(range(K))))
+    print("floor", floor, "whole bank", whole["topic_rate"], whole["other_ppl_ratio"], flush=True)
     for name in sets:
         print(name, [(r["alpha"], r["topic_rate"], r["other_ppl_ratio"]) for r in alpha_curve[name]],
               projection[name]["topic_rate_drop"], projection[name]["other_ppl_ratio"], flush=True)
@@ -416,6 +444,7 @@ def main(argv: list[str] | None = None) -> dict:
             "prototypes": selected, "share_of_bank": round(len(selected) / K, 4), "seconds": round(sel_s, 1),
             "heldout": sel_eval, "control_random": sel_ctrl},
         "alpha_curve": alpha_curve, "projection": projection,
+        "classifier_floor": floor, "whole_bank_suppressed": whole,
         "curve": curve, "examples": {"base": base["examples"], **{f"suppressed_{k}": v for k, v in examples.items()}},
         "seconds": round(time.perf_counter() - t0, 1),
     }

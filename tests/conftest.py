@@ -22,6 +22,15 @@ torch.set_num_threads(min(2, os.cpu_count() or 1))
 REPO = Path(__file__).resolve().parents[1]
 
 
+@pytest.fixture(autouse=True)
+def _torch_threads():
+    """A server started by a test sets torch's threads for its computations: give them back after it."""
+    n = torch.get_num_threads()
+    yield
+    if torch.get_num_threads() != n:
+        torch.set_num_threads(n)
+
+
 @pytest.fixture(scope="session")
 def tiny_corpus(tmp_path_factory) -> Path:
     """600 documents of the bundled demo corpus, as JSONL."""

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 import re
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -42,9 +43,17 @@ def _operation_id(route: APIRoute) -> str:
     return head + "".join(w.capitalize() for w in rest)
 
 
-def _load(settings: Settings, metrics: Metrics) -> Services:
+def compute_threads(settings: Settings) -> int:
+    """torch's intra-op threads for one computation: ``torch_threads``, else this machine's cores shared
+    by every computation that can run at once (server processes x ``compute_concurrency``), at least 1."""
     if settings.torch_threads:
-        torch.set_num_threads(settings.torch_threads)
+        return settings.torch_threads
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return max(1, cores // (settings.workers * settings.compute_concurrency))
+
+
+def _load(settings: Settings, metrics: Metrics) -> Services:
+    torch.set_num_threads(compute_threads(settings))
     registry = Registry.load(settings)
     for ix in registry.indexes.values():
         metrics.index_loaded(ix)

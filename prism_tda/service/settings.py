@@ -100,7 +100,10 @@ class Settings(BaseSettings):
                     "any other Host is refused (DNS rebinding). Ignored when API keys are set.")
     compute_concurrency: int = Field(2, ge=1, description="Model/attribution computations that run at once "
                                                           "per index; more requests wait their turn.")
-    torch_threads: int | None = Field(None, ge=1, description="torch intra-op threads (default: torch's own).")
+    torch_threads: int | None = Field(
+        None, ge=1, description="torch intra-op threads of each computation (the compiled scoring uses as many). "
+                                "Default: the machine's cores divided by `workers` x `compute_concurrency`, at "
+                                "least 1, so computations running at once do not oversubscribe the cores.")
     exact_max_tokens: int = Field(
         2_000_000, ge=0, description="Largest index (in tokens) on which `mode: exact` is answered: it runs the model "
                                      "over every training token. Larger indexes answer 422 `invalid-query`.")
