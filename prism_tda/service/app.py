@@ -20,7 +20,7 @@ from prism_tda import __version__
 from prism_tda.logs import setup_logging
 
 from . import lifecycle, problems
-from .deps import Services, get_admin, get_principal
+from .deps import Services, ThreadShare, get_admin, get_principal
 from .indexes import Registry
 from .metrics import Metrics
 from .middleware import BodyLimit, RequestContext, RequestOrigin
@@ -43,13 +43,20 @@ def _operation_id(route: APIRoute) -> str:
     return head + "".join(w.capitalize() for w in rest)
 
 
+def process_cores(settings: Settings) -> int:
+    """This server process's share of the machine's cores: all of them over ``workers``, at least 1."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return max(1, cores // settings.workers)
+
+
 def compute_threads(settings: Settings) -> int:
-    """torch's intra-op threads for one computation: ``torch_threads``, else this machine's cores shared
-    by every computation that can run at once (server processes x ``compute_concurrency``), at least 1."""
+    """torch's intra-op threads for work outside a request's computation (loading, the audit worker):
+    ``torch_threads``, else this process's cores shared by every computation that can run at once
+    (``compute_concurrency``), at least 1. A request's computation takes its share when it starts
+    (:class:`~prism_tda.service.deps.ThreadShare`)."""
     if settings.torch_threads:
         return settings.torch_threads
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    return max(1, cores // (settings.workers * settings.compute_concurrency))
+    return max(1, process_cores(settings) // settings.compute_concurrency)
 
 
 def _load(settings: Settings, metrics: Metrics) -> Services:
@@ -65,6 +72,7 @@ def _load(settings: Settings, metrics: Metrics) -> Services:
     worker = AuditWorker(state, registry, metrics, settings.audit_poll_s, max_attempts=settings.audit_max_attempts,
                          retention_s=settings.audit_retention_days * 86400)
     return Services(settings=settings, registry=registry, state=state, worker=worker, metrics=metrics,
+                    threads=ThreadShare(process_cores(settings), settings.torch_threads),
                     guard=Guard(settings))
 
 

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from typing import Annotated, Any, TypeVar
 
 import anyio
+import torch
 from fastapi import Depends, Query, Request
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 
@@ -25,6 +26,30 @@ from .worker import AuditWorker
 T = TypeVar("T")
 
 
+class ThreadShare:
+    """torch threads for each computation of this process: ``fixed`` when set, else this process's
+    ``cores`` divided by the computations running when it starts (at least 1). One computation alone
+    uses every core; two at once get half each rather than oversubscribing them. torch keeps the count
+    per thread, so setting it in the computation's own worker thread touches no other."""
+
+    def __init__(self, cores: int, fixed: int | None = None) -> None:
+        self.cores, self.fixed = max(1, cores), fixed
+        self.active = 0
+        self._lock = threading.Lock()
+
+    def run(self, fn: Callable[[], T]) -> T:
+        with self._lock:
+            self.active += 1
+            n = self.fixed or max(1, self.cores // self.active)
+        try:
+            if torch.get_num_threads() != n:
+                torch.set_num_threads(n)
+            return fn()
+        finally:
+            with self._lock:
+                self.active -= 1
+
+
 @dataclass
 class Services:
     """What the lifespan loads once and every request shares."""
@@ -38,10 +63,13 @@ class Services:
     limiters: dict[str, anyio.CapacityLimiter] = field(default_factory=dict)
     sql_limiter: anyio.CapacityLimiter = field(default_factory=lambda: anyio.CapacityLimiter(2))
     io_limiter: anyio.CapacityLimiter = field(default_factory=lambda: anyio.CapacityLimiter(16))
+    threads: ThreadShare = field(default_factory=lambda: ThreadShare(1))
 
     async def run(self, ix: LoadedIndex, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
-        """Run CPU-bound work in a worker thread, at most ``compute_concurrency`` at once per index."""
-        return await anyio.to_thread.run_sync(functools.partial(fn, *args, **kwargs), limiter=self.limiters[ix.name])
+        """Run CPU-bound work in a worker thread, at most ``compute_concurrency`` at once per index, with
+        its share of the cores (:class:`ThreadShare`)."""
+        work = functools.partial(self.threads.run, functools.partial(fn, *args, **kwargs))
+        return await anyio.to_thread.run_sync(work, limiter=self.limiters[ix.name])
 
     async def run_cancellable(self, request: Request, ix: LoadedIndex, fn: Callable[..., T], *args: Any,
                               **kwargs: Any) -> T:

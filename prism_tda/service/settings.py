@@ -102,8 +102,9 @@ class Settings(BaseSettings):
                                                           "per index; more requests wait their turn.")
     torch_threads: int | None = Field(
         None, ge=1, description="torch intra-op threads of each computation (the compiled scoring uses as many). "
-                                "Default: the machine's cores divided by `workers` x `compute_concurrency`, at "
-                                "least 1, so computations running at once do not oversubscribe the cores.")
+                                "Default: each computation takes this process's cores (the machine's over `workers`) "
+                                "divided by the computations running when it starts, at least 1: one alone uses every "
+                                "core, two at once do not oversubscribe them.")
     exact_max_tokens: int = Field(
         2_000_000, ge=0, description="Largest index (in tokens) on which `mode: exact` is answered: it runs the model "
                                      "over every training token. Larger indexes answer 422 `invalid-query`.")
