@@ -31,7 +31,7 @@ export async function renderList(root, { params }) {
     const res = await api("GET", "/v1/prototypes", { query: { order, limit: PAGE, offset, ...extra } });
     const pager = h("nav", { class: "pager", "aria-label": "Pages" },
       offset > 0 ? h("a", { href: hashLink("prototypes", { order, ...extra, offset: Math.max(0, offset - PAGE) }) }, "← previous") : null,
-      h("span", { class: "muted", id: "proto-count" }, res.total ? `${offset + 1}–${offset + res.prototypes.length} of ${res.total}` : "No prototype matches."),
+      h("span", { class: "muted", id: "proto-count", dataset: { q } }, res.total ? `${offset + 1}–${offset + res.prototypes.length} of ${res.total}` : "No prototype matches."),
       offset + PAGE < res.total ? h("a", { href: hashLink("prototypes", { order, ...extra, offset: offset + PAGE }) }, "next →") : null);
     clear(body, table(["Prototype", "Tokens", "Activation mass", "Mean activation", "Signature"],
       res.prototypes.map((p) => [protoLink(p.proto_id, `prototype ${p.proto_id}${p.label ? ` (${p.label})` : ""}`),
