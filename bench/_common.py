@@ -22,6 +22,9 @@ def finish(res: dict, script: str, argv: list[str] | None, out: str, hide: tuple
         "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
         # other work on the machine skews timings: the 1/5/15-minute load averages at the end of the run
         "load_average": [round(x, 2) for x in os.getloadavg()], "cpus": os.cpu_count(),
+        # the same machine kind runs the same code up to ~2x apart from one day to the next: two fixed
+        # workloads measured at the end of the run, so results of different runs can be put side by side
+        "speed_reference": speed_reference(),
     })
     res["command"] = command or f"python bench/{script} " + " ".join(sys.argv[1:] if argv is None else argv)
     res["date"] = dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")
@@ -29,6 +32,36 @@ def finish(res: dict, script: str, argv: list[str] | None, out: str, hide: tuple
     Path(out).write_text(json.dumps(res, indent=2))
     print(json.dumps({k: v for k, v in res.items() if k not in ("config", "machine", *hide)}, indent=2))
     return res
+
+
+def speed_reference(repeats: int = 5) -> dict[str, float]:
+    """Two fixed workloads on this machine now (best of ``repeats``): single-thread float32 GFLOPS of a
+    512 x 512 matrix product (compute-bound, as the model's forward), and nanoseconds per element of
+    a random gather from a 64 MiB array (memory-bound, as the scoring of stored codes)."""
+    import time
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        a, b = torch.randn(512, 512), torch.randn(512, 512)
+        best = float("inf")
+        for _ in range(repeats):
+            t = time.perf_counter()
+            for _ in range(20):
+                a @ b
+            best = min(best, (time.perf_counter() - t) / 20)
+    finally:
+        torch.set_num_threads(threads)
+    rng = np.random.default_rng(0)
+    big = rng.random(1 << 23).astype(np.float64)  # 64 MiB
+    at = rng.integers(0, len(big), 1 << 20)
+    gather = float("inf")
+    for _ in range(repeats):
+        t = time.perf_counter()
+        big[at].sum()
+        gather = min(gather, time.perf_counter() - t)
+    return {"matmul_gflops_1_thread": round(2 * 512**3 / best / 1e9, 1),
+            "gather_ns_per_element": round(1e9 * gather / len(at), 2)}
 
 
 def peak_rss_mb() -> float:
