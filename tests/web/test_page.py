@@ -127,6 +127,8 @@ def test_audit_completes(page, web_live):
     page.get_by_role("button", name="Start audit").click()
     page.wait_for_url(re.compile(r"#/audits/[^/]+$"))
     page.locator("#audit-status[data-status='completed']").wait_for(timeout=60_000)
+    # the rows drawn for the completed job, not those of an earlier poll (they come one request later)
+    page.locator("#audit-results[data-status='completed']").wait_for(timeout=60_000)
     assert "2 of 2 done" in page.locator("#audit-status").inner_text()
     assert page.locator("#audit-progress").evaluate("p => p.value") == 1
     rows = page.locator("#audit-results tbody tr")

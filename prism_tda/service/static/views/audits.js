@@ -131,7 +131,9 @@ function renderJob(root, id) {
       if (seen !== shown || finished) {
         shown = seen;
         const res = await api("GET", `/v1/audits/${id}/items`, { query: { limit: 200 } });
-        if (!stopped) showItems(results, res);
+        if (stopped) return;
+        showItems(results, res);
+        results.dataset.status = job.status;  // the job state these rows answer (the status line is set one request earlier)
       }
       if (!finished) timer = setTimeout(poll, 500);
     } catch (e) {
