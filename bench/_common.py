@@ -75,6 +75,15 @@ def peak_rss_mb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
+def index_complete(index_dir: str | Path) -> bool:
+    """Whether a complete index is there (a build that stopped half way leaves an incomplete manifest,
+    which ``build_index`` finishes when called again)."""
+    from prism_tda.engine import layout
+
+    m = layout.read_manifest(Path(index_dir)) if Path(index_dir).is_dir() else None
+    return m is not None and m.complete
+
+
 def index_documents(index_dir: str | Path, columns: list[str]) -> dict[str, list]:
     """Columns of every document of an index, in global id order (``engine.reads.document_table``)."""
     from prism_tda.engine.reads import document_table

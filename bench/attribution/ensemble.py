@@ -30,11 +30,10 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from bench._common import finish, index_documents
+from bench._common import finish, index_complete, index_documents
 from bench.attribution.lds_report import interval, splits, top_only
 from bench.attribution.levers import Segments, aggregate, corpus_pass, token_scores
 from prism_tda.engine import Attributor, QuerySpec
-from prism_tda.engine.layout import MANIFEST
 
 AGGS = ("cosine_max", "cosine_top4", "cosine_sum", "raw_sum")
 
@@ -113,7 +112,7 @@ def main(argv: list[str] | None = None) -> dict:
     index_s = {}
     for s in at:
         idx = work / f"index_step_{s}"
-        if not (idx / MANIFEST).exists():
+        if not index_complete(idx):
             t1 = time.perf_counter()
             build_index(ck_dir / f"step_{s:07d}", [str(work / "train.jsonl")], idx, progress=True)
             index_s[s] = round(time.perf_counter() - t1, 1)

@@ -145,7 +145,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--work", default="runs/bench_lds_fresh")
     ap.add_argument("--results", default="bench/results/attribution_run48.json", help="run_eval.py's results")
-    ap.add_argument("--scaling", default="bench/results/attribution_scaling.json")
+    ap.add_argument("--scaling", default="bench/results/attribution_scaling_rerun.json")
     ap.add_argument("--subsets", type=int, default=48)
     ap.add_argument("--tune-subsets", type=int, default=16)
     ap.add_argument("--memorised", default="bench/results/attribution_memorised.json",
@@ -280,6 +280,7 @@ def main(argv: list[str] | None = None) -> dict:
                   "speedup_vs_ekfac_single_query_by_documents", "speedup_vs_ekfac_batched_by_documents"):
             if k in sc:
                 out[k] = sc[k]
+        out["speedup_source"] = {"file": args.scaling, "date": sc.get("date")}
     out.pop("speedup_vs_ekfac_per_query", None)
     return finish(out, "attribution/lds_report.py", argv, args.out)
 

@@ -34,12 +34,11 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from bench._common import finish, index_documents, peak_rss_mb
+from bench._common import finish, index_complete, index_documents, peak_rss_mb
 from bench.attribution.planted import make_facts
 from prism_tda import demo_corpus_path
 from prism_tda.cli import build_configs
 from prism_tda.corpus import is_validation
-from prism_tda.engine.layout import MANIFEST
 
 HERE = Path(__file__).resolve().parent
 
@@ -276,6 +275,8 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--candidates", type=int, default=256)
     ap.add_argument("--methods", default=",".join(["prism", "ekfac", "trak", "bm25"]))
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--model-only", action="store_true",
+                    help="stop after training and indexing the evaluation model (for scaling.py)")
     ap.add_argument("--work", default="runs/bench_lds")
     ap.add_argument("--out", default="bench/results/attribution.json")
     args = ap.parse_args(argv)
@@ -316,10 +317,12 @@ def main(argv: list[str] | None = None) -> dict:
         timings["prism_train"] = time.perf_counter() - t0
     index_dir = work / "index"
     t0 = time.perf_counter()
-    if not (index_dir / MANIFEST).exists():
+    if not index_complete(index_dir):
         build_index(ck, [str(train_path)], index_dir, progress=False)
         timings["prism_index"] = time.perf_counter() - t0
     timings_path.write_text(json.dumps(timings))
+    if args.model_only:
+        return {"model": str(ck), "index": str(index_dir), "timings": timings}
     docs = index_documents(index_dir, ["doc_id", "external_id"])
     ext_to_doc = dict(zip(docs["external_id"], docs["doc_id"], strict=True))
     n_docs = len(ext_to_doc)
