@@ -57,3 +57,30 @@ def test_index_floor_times_each_stage_on_the_tiny_index(index, tmp_path):
     assert all(v > 0 for v in us.values()) and {"bare_forward", "indexer_forward", "encode"} <= set(us)
     assert res["ceiling_ratio"]["indexer_forward_and_encode"] == round(
         us["bare_forward"] / (us["indexer_forward"] + us["encode"]), 3)
+
+
+def test_index_complete_tells_a_finished_index_from_a_missing_or_half_built_one(index, tmp_path):
+    import json
+
+    from bench._common import index_complete
+    from prism_tda.engine import layout
+
+    assert index_complete(index)
+    assert not index_complete(tmp_path / "nothing")
+    half = tmp_path / "half"
+    half.mkdir()
+    m = json.loads((index / layout.MANIFEST).read_text())
+    m["complete"] = False
+    (half / layout.MANIFEST).write_text(json.dumps(m))
+    assert not index_complete(half)
+
+
+def test_shortlist_values_are_kept_only_for_the_ranking_best_k():
+    import numpy as np
+
+    from bench.attribution.shortlist_influence import on_set, overlap_at
+
+    ranking = np.array([[0.9, 0.1, 0.5, 0.7], [0.0, 0.3, 0.2, 0.1]])
+    values = np.array([[1.0, 2.0, 3.0, 4.0], [5.0, 6.0, 7.0, 8.0]])
+    assert on_set(values, ranking, 2).tolist() == [[1.0, 0.0, 0.0, 4.0], [0.0, 6.0, 7.0, 0.0]]
+    assert overlap_at(ranking, values, 2, np.array([0, 1])) == 0.5  # {0, 3} vs {3, 2}; {1, 2} vs {3, 2}

@@ -1,0 +1,109 @@
+"""Does PRISM's shortlist hold the documents that carry EK-FAC's LDS? (the LDS issue: where the gap is)
+
+PRISM ranks the training documents by the best token's cosine in prototype space (the guard: a
+memorised fact's source first); its LDS stays below EK-FAC's. Two explanations predict different
+fixes:
+
+- the *set*: the documents that move the query's loss when removed are not among PRISM's best k, so
+  no re-scoring of the shortlist can recover them;
+- the *values*: they are among the best k, but PRISM's scores (a ranking score restricted to the
+  prototype head) predict their effect worse than a full-model influence does; then a deeper value
+  estimate computed for the shortlisted documents only (their gradients through the whole network,
+  preconditioned as EK-FAC does) would recover EK-FAC's LDS at the cost of k documents, not N.
+
+From a ``run_eval.py`` work folder (PRISM's exact scores at the index's settings and EK-FAC's, every
+query x document pair) this measures LDS on the *tuning split only* (the first ``--tune-subsets``
+subsets and the tuning half of the LDS queries, as ``lds_report.py`` splits them) for:
+
+- ``ekfac_all``: EK-FAC's scores of every document (the reference);
+- ``ekfac_own_top{k}``: EK-FAC's own best k keep their scores, the rest 0;
+- ``ekfac_on_prism_top{k}``: **EK-FAC's scores of PRISM's best k** (the rest 0): the list as PRISM
+  orders it, each document's value a full-model influence (primary setting: k = 64, what the fast path
+  returns at its served setting, fixed before the run);
+- ``prism_top{k}``: PRISM's own scores of its best k;
+- ``prism_raw_on_prism_top{k}``: PRISM's summed raw influence (every token of the document, prototype
+  head only) of its best k: a value the engine could compute for the shortlisted documents without
+  going deeper into the model;
+
+with paired bootstrap differences against ``ekfac_all`` (draws resample subsets and queries), the
+overlap of the two methods' best k, and the guard (verbatim facts' planted copy ranked first by
+PRISM's order, by EK-FAC's).
+
+    python -m bench.attribution.shortlist_influence --work runs/bench_lds_fresh --subsets 16 --tune-subsets 16
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import numpy as np
+
+from bench._common import finish, index_documents
+from bench.attribution.lds_report import interval, splits, top_only
+from bench.attribution.run_eval import rank_of
+
+PRIMARY_K = 64
+
+
+def on_set(values: np.ndarray, ranking: np.ndarray, k: int) -> np.ndarray:
+    """``values`` of each query's best ``k`` documents by ``ranking``, 0 elsewhere."""
+    out = np.zeros_like(values)
+    best = np.argsort(-ranking, axis=1, kind="stable")[:, :k]
+    np.put_along_axis(out, best, np.take_along_axis(values, best, 1), 1)
+    return out
+
+
+def overlap_at(a: np.ndarray, b: np.ndarray, k: int, rows: np.ndarray) -> float:
+    ta = np.argsort(-a[rows], axis=1, kind="stable")[:, :k]
+    tb = np.argsort(-b[rows], axis=1, kind="stable")[:, :k]
+    return float(np.mean([len(set(x) & set(y)) / k for x, y in zip(ta, tb, strict=True)]))
+
+
+def main(argv: list[str] | None = None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--work", default="runs/bench_lds_fresh")
+    ap.add_argument("--subsets", type=int, default=16, help="retrained subsets in the work folder")
+    ap.add_argument("--tune-subsets", type=int, default=16)
+    ap.add_argument("--seed", type=int, default=1, help="as given to run_eval.py (subset draws)")
+    ap.add_argument("--prism", default="scores_prism_exact.npy", help="PRISM's scores in the work folder")
+    ap.add_argument("--ks", default="16,32,64,128,256")
+    ap.add_argument("--boot", type=int, default=1000)
+    ap.add_argument("--out", default="bench/results/attribution_shortlist_influence.json")
+    args = ap.parse_args(argv)
+    work = Path(args.work)
+    queries = json.loads((work / "queries.json").read_text())
+    P = np.load(work / args.prism).astype(np.float64)
+    E = np.load(work / "scores_ekfac.npy").astype(np.float64)
+    R = np.load(work / "scores_prism_exact_raw_sum.npy").astype(np.float64)
+    n_docs = P.shape[1]
+    tune, _ = splits(work, queries, n_docs, args.subsets, args.tune_subsets, args.seed)
+    draws = tune.draws(args.boot, args.seed + 11)
+    ref = tune.lds(E)
+    ref_b = tune.boot(E, draws)
+
+    def row(S: np.ndarray) -> dict:
+        b = tune.boot(S, draws)
+        point = tune.lds(S)
+        return {"lds_tune": interval(point, b), "diff_vs_ekfac_all": interval(point - ref, b - ref_b)}
+
+    res: dict = {"work": str(work), "documents": n_docs,
+                 "tune_split": {"subsets": args.tune_subsets, "queries": len(tune.queries)},
+                 "primary": f"ekfac_on_prism_top{PRIMARY_K}", "ekfac_all": row(E), "by_k": {}}
+    for k in (int(x) for x in args.ks.split(",")):
+        res["by_k"][k] = {"ekfac_on_prism": row(on_set(E, P, k)), "ekfac_own": row(top_only(E, k)),
+                          "prism": row(top_only(P, k)), "prism_raw_on_prism": row(on_set(R, P, k)),
+                          "overlap_prism_ekfac": round(overlap_at(P, E, k, tune.queries), 4)}
+    # the guard, on the tuning split's verbatim facts: the planted copy first in the list's order
+    docs = index_documents(work / "index", ["doc_id", "external_id"])
+    ext_to_doc = dict(zip(docs["external_id"], docs["doc_id"], strict=True))
+    verbatim = [i for i in tune.queries if queries[i]["kind"] == "verbatim"]
+    for name, S in (("prism_order", P), ("ekfac_order", E)):
+        res[f"verbatim_r1_{name}"] = float(np.mean([rank_of(S[i], {ext_to_doc[e] for e in queries[i]["planted"]}) == 1
+                                                    for i in verbatim]))
+    return finish(res, "attribution/shortlist_influence.py", argv, args.out)
+
+
+if __name__ == "__main__":
+    main()
