@@ -83,17 +83,10 @@ def query_losses(model, ds: TokenDataset) -> np.ndarray:
 EKFAC_DAMPING_SCALES = (0.01, 0.03, 0.1, 0.3, 1.0)
 
 
-def ekfac_scores(model, train: TokenDataset, queries: TokenDataset, work: Path, *, batch_size: int = 16,
-                 query_batch_size: int = 64, single_queries: int = 0,
-                 damping_scales: tuple[float, ...] = ()) -> dict:
-    """Fit EK-FAC factors on the training sequences, then score every (query, sequence) pair.
-
-    kronfluence makes one pass over the training gradients per batch of queries, so its time per
-    query depends on how many queries share a pass: ``query_batch_size`` for the scores returned;
-    with ``single_queries``, the first that many queries are also scored one per pass (as a served
-    index answers them), timed apart (``single_seconds_per_query``)."""
+def ekfac_analyzer(model, work: Path):
+    """kronfluence's analyzer of ``model`` (next-token cross-entropy summed over the labelled tokens),
+    storing its factors and scores under ``work``: factors fitted by one call are read by later ones."""
     from kronfluence.analyzer import Analyzer, prepare_model
-    from kronfluence.arguments import FactorArguments, ScoreArguments
     from kronfluence.task import Task
 
     class LMTask(Task):
@@ -117,6 +110,21 @@ def ekfac_scores(model, train: TokenDataset, queries: TokenDataset, work: Path, 
     model.eval()
     model = prepare_model(model, LMTask())
     analyzer = Analyzer("prism", model, LMTask(), cpu=True, output_dir=str(work), disable_tqdm=True)
+    return analyzer
+
+
+def ekfac_scores(model, train: TokenDataset, queries: TokenDataset, work: Path, *, batch_size: int = 16,
+                 query_batch_size: int = 64, single_queries: int = 0,
+                 damping_scales: tuple[float, ...] = ()) -> dict:
+    """Fit EK-FAC factors on the training sequences, then score every (query, sequence) pair.
+
+    kronfluence makes one pass over the training gradients per batch of queries, so its time per
+    query depends on how many queries share a pass: ``query_batch_size`` for the scores returned;
+    with ``single_queries``, the first that many queries are also scored one per pass (as a served
+    index answers them), timed apart (``single_seconds_per_query``)."""
+    from kronfluence.arguments import FactorArguments, ScoreArguments
+
+    analyzer = ekfac_analyzer(model, work)
     t0 = time.perf_counter()
     analyzer.fit_all_factors("ekfac", train, per_device_batch_size=batch_size,
                              factor_args=FactorArguments(strategy="ekfac"), overwrite_output_dir=True)

@@ -27,7 +27,10 @@ subsets and the tuning half of the LDS queries, as ``lds_report.py`` splits them
 
 with paired bootstrap differences against ``ekfac_all`` (draws resample subsets and queries), the
 overlap of the two methods' best k, and the guard (verbatim facts' planted copy ranked first by
-PRISM's order, by EK-FAC's).
+PRISM's order, by EK-FAC's). With ``--time-queries N`` it also times what such a value costs: for N
+tuning queries, EK-FAC (the work folder's fitted factors) scores one query against the sequences of
+PRISM's best k documents only, against every sequence, and checks the restricted scores against
+the full run's.
 
     python -m bench.attribution.shortlist_influence --work runs/bench_lds_fresh --subsets 16 --tune-subsets 16
 """
@@ -61,6 +64,54 @@ def overlap_at(a: np.ndarray, b: np.ndarray, k: int, rows: np.ndarray) -> float:
     return float(np.mean([len(set(x) & set(y)) / k for x, y in zip(ta, tb, strict=True)]))
 
 
+def time_shortlist(work: Path, P: np.ndarray, queries: list[dict], rows: list[int], ks: list[int]) -> dict:
+    """Seconds for EK-FAC to score one query against the sequences of PRISM's best k documents (and
+    against all), from the factors ``run_eval.py`` fitted, and the largest difference of those
+    documents' scores from the full run's (relative to the query's largest score)."""
+    import time
+
+    import torch
+    from kronfluence.arguments import ScoreArguments
+    from torch.utils.data import Subset
+
+    from bench._common import index_sequences
+    from bench.attribution.baselines import TokenDataset, ekfac_analyzer
+    from prism_tda.engine import layout as store
+    from prism_tda.model import checkpoint as ckpt
+
+    torch.set_num_threads(2)
+    index_dir = work / "index"
+    manifest = store.read_manifest(index_dir)
+    assert manifest is not None, index_dir
+    model, _, _ = ckpt.load_checkpoint(manifest.checkpoint)
+    seqs = index_sequences(index_dir)
+    seq_doc = np.asarray(seqs["doc_id"])
+    block = model.cfg.block_size
+    train = TokenDataset.from_sequences(seqs["token_ids"], seqs["target_ids"], block)
+    qds = TokenDataset.from_queries([(q["prompt_ids"], q["completion_ids"]) for q in queries], block)
+    full = np.load(work / "scores_ekfac.npy")
+    an = ekfac_analyzer(model, work / "ekfac_store")
+    out: dict = {}
+    for k in [*ks, None]:
+        secs, errs, n_seqs = [], [], []
+        for i in rows:
+            docs = np.argsort(-P[i], kind="stable")[:k] if k else np.arange(P.shape[1])
+            idx = np.nonzero(np.isin(seq_doc, docs))[0]
+            t0 = time.perf_counter()
+            an.compute_pairwise_scores("shortlist", "ekfac", Subset(qds, [i]), Subset(train, idx.tolist()),
+                                       per_device_query_batch_size=1, per_device_train_batch_size=16,
+                                       score_args=ScoreArguments(), overwrite_output_dir=True)
+            secs.append(time.perf_counter() - t0)
+            s = an.load_pairwise_scores("shortlist")["all_modules"].float().numpy()[0]
+            doc_s = np.bincount(seq_doc[idx], weights=s, minlength=P.shape[1])
+            errs.append(float(np.abs(doc_s[docs] - full[i, docs]).max() / max(np.abs(full[i]).max(), 1e-30)))
+            n_seqs.append(len(idx))
+        out[str(k or "all")] = {"seconds_per_query_median": round(float(np.median(secs)), 3),
+                                "sequences_mean": float(np.mean(n_seqs)),
+                                "max_relative_difference_from_full_run": float(np.max(errs))}
+    return out
+
+
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--work", default="runs/bench_lds_fresh")
@@ -70,6 +121,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--prism", default="scores_prism_exact.npy", help="PRISM's scores in the work folder")
     ap.add_argument("--ks", default="16,32,64,128,256")
     ap.add_argument("--boot", type=int, default=1000)
+    ap.add_argument("--time-queries", type=int, default=0, help="time EK-FAC on the shortlist for this many queries")
     ap.add_argument("--out", default="bench/results/attribution_shortlist_influence.json")
     args = ap.parse_args(argv)
     work = Path(args.work)
@@ -102,6 +154,9 @@ def main(argv: list[str] | None = None) -> dict:
     for name, S in (("prism_order", P), ("ekfac_order", E)):
         res[f"verbatim_r1_{name}"] = float(np.mean([rank_of(S[i], {ext_to_doc[e] for e in queries[i]["planted"]}) == 1
                                                     for i in verbatim]))
+    if args.time_queries:
+        res["ekfac_on_shortlist_cost"] = time_shortlist(work, P, queries, tune.queries[: args.time_queries].tolist(),
+                                                        [PRIMARY_K, 128])
     return finish(res, "attribution/shortlist_influence.py", argv, args.out)
 
 
