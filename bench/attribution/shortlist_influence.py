@@ -12,8 +12,9 @@ fixes:
   preconditioned as EK-FAC does) would recover EK-FAC's LDS at the cost of k documents, not N.
 
 From a ``run_eval.py`` work folder (PRISM's exact scores at the index's settings and EK-FAC's, every
-query x document pair) this measures LDS on the *tuning split only* (the first ``--tune-subsets``
-subsets and the tuning half of the LDS queries, as ``lds_report.py`` splits them) for:
+query x document pair) this measures LDS on the *tuning split* (the first ``--tune-subsets`` subsets
+and the tuning half of the LDS queries, as ``lds_report.py`` splits them), or with ``--split all`` on
+every subset and LDS query of a fresh folder that nothing was chosen on, for:
 
 - ``ekfac_all``: EK-FAC's scores of every document (the reference);
 - ``ekfac_own_top{k}``: EK-FAC's own best k keep their scores, the rest 0;
@@ -44,7 +45,7 @@ from pathlib import Path
 import numpy as np
 
 from bench._common import finish, index_documents
-from bench.attribution.lds_report import interval, splits, top_only
+from bench.attribution.lds_report import Split, interval, splits, subset_masks, top_only
 from bench.attribution.run_eval import rank_of
 
 PRIMARY_K = 64
@@ -119,6 +120,9 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--tune-subsets", type=int, default=16)
     ap.add_argument("--seed", type=int, default=1, help="as given to run_eval.py (subset draws)")
     ap.add_argument("--prism", default="scores_prism_exact.npy", help="PRISM's scores in the work folder")
+    ap.add_argument("--split", choices=("tune", "all"), default="tune",
+                    help="tune: lds_report.py's tuning split; all: every subset and LDS query of the folder "
+                         "(a fresh folder, looked at once)")
     ap.add_argument("--ks", default="16,32,64,128,256")
     ap.add_argument("--boot", type=int, default=1000)
     ap.add_argument("--time-queries", type=int, default=0, help="time EK-FAC on the shortlist for this many queries")
@@ -130,7 +134,13 @@ def main(argv: list[str] | None = None) -> dict:
     E = np.load(work / "scores_ekfac.npy").astype(np.float64)
     R = np.load(work / "scores_prism_exact_raw_sum.npy").astype(np.float64)
     n_docs = P.shape[1]
-    tune, _ = splits(work, queries, n_docs, args.subsets, args.tune_subsets, args.seed)
+    if args.split == "tune":
+        tune, _ = splits(work, queries, n_docs, args.subsets, args.tune_subsets, args.seed)
+    else:
+        losses = np.array([json.loads((work / "lds" / f"subset_{j:03d}.json").read_text())["loss"]
+                           for j in range(args.subsets)])
+        lds_q = np.array([i for i, q in enumerate(queries) if q["kind"] in ("verbatim", "heldout")])
+        tune = Split(subset_masks(n_docs, args.subsets, args.seed), losses, np.arange(args.subsets), lds_q)
     draws = tune.draws(args.boot, args.seed + 11)
     ref = tune.lds(E)
     ref_b = tune.boot(E, draws)
@@ -138,16 +148,17 @@ def main(argv: list[str] | None = None) -> dict:
     def row(S: np.ndarray) -> dict:
         b = tune.boot(S, draws)
         point = tune.lds(S)
-        return {"lds_tune": interval(point, b), "diff_vs_ekfac_all": interval(point - ref, b - ref_b)}
+        return {"lds": interval(point, b), "diff_vs_ekfac_all": interval(point - ref, b - ref_b)}
 
     res: dict = {"work": str(work), "documents": n_docs,
-                 "tune_split": {"subsets": args.tune_subsets, "queries": len(tune.queries)},
+                 "split": args.split,
+                 "subsets": len(tune.L), "queries": len(tune.queries),
                  "primary": f"ekfac_on_prism_top{PRIMARY_K}", "ekfac_all": row(E), "by_k": {}}
     for k in (int(x) for x in args.ks.split(",")):
         res["by_k"][k] = {"ekfac_on_prism": row(on_set(E, P, k)), "ekfac_own": row(top_only(E, k)),
                           "prism": row(top_only(P, k)), "prism_raw_on_prism": row(on_set(R, P, k)),
                           "overlap_prism_ekfac": round(overlap_at(P, E, k, tune.queries), 4)}
-    # the guard, on the tuning split's verbatim facts: the planted copy first in the list's order
+    # the guard, on the split's verbatim facts: the planted copy first in the list's order
     docs = index_documents(work / "index", ["doc_id", "external_id"])
     ext_to_doc = dict(zip(docs["external_id"], docs["doc_id"], strict=True))
     verbatim = [i for i in tune.queries if queries[i]["kind"] == "verbatim"]
