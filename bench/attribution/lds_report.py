@@ -81,14 +81,19 @@ class Split:
         return np.array([spearman_cols(P[np.ix_(s, q)], -self.L[np.ix_(s, q)]).mean() for s, q in draws])
 
 
+def subset_losses(work: Path, n_subsets: int) -> np.ndarray:
+    """(subsets, queries): each retrained subset's query losses, as ``run_eval.py`` wrote them."""
+    return np.array([json.loads((work / "lds" / f"subset_{j:03d}.json").read_text())["loss"]
+                     for j in range(n_subsets)])
+
+
 def splits(work: Path, queries: list[dict], n_docs: int, n_subsets: int, tune_subsets: int,
            seed: int) -> tuple[Split, Split]:
     """The tuning and the reported split of a ``run_eval.py`` work folder: subsets by order (the first
     ``tune_subsets`` tune), LDS queries (verbatim facts and held-out documents) halved per kind at
     random; neither shares a subset or a query with the other."""
     masks = subset_masks(n_docs, n_subsets, seed)
-    losses = np.array([json.loads((work / "lds" / f"subset_{j:03d}.json").read_text())["loss"]
-                       for j in range(n_subsets)])
+    losses = subset_losses(work, n_subsets)
     rng = np.random.default_rng(12345)
     tune_q, report_q = [], []
     for kind in ("verbatim", "heldout"):
@@ -104,14 +109,17 @@ def interval(point: float, boots: np.ndarray) -> list[float]:
     return [round(point, 4), round(float(np.percentile(boots, 2.5)), 4), round(float(np.percentile(boots, 97.5)), 4)]
 
 
+def on_best(values: np.ndarray, ranking: np.ndarray, k: int) -> np.ndarray:
+    """``values`` of each query's ``k`` best documents by ``ranking``, 0 elsewhere."""
+    out = np.zeros_like(values)
+    best = np.argsort(-ranking, axis=1, kind="stable")[:, :k]
+    np.put_along_axis(out, best, np.take_along_axis(values, best, 1), 1)
+    return out
+
+
 def top_only(S: np.ndarray, k: int | None) -> np.ndarray:
     """Each query's ``k`` best documents keep their scores, the others score 0 (None: all)."""
-    if k is None or k >= S.shape[1]:
-        return S
-    out = np.zeros_like(S)
-    best = np.argsort(-S, axis=1, kind="stable")[:, :k]
-    np.put_along_axis(out, best, np.take_along_axis(S, best, 1), 1)
-    return out
+    return S if k is None or k >= S.shape[1] else on_best(S, S, k)
 
 
 def served_scores(work: Path, queries: list[dict], n_docs: int, damping: float, aggregation: str,

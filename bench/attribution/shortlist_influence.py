@@ -45,18 +45,18 @@ from pathlib import Path
 import numpy as np
 
 from bench._common import finish, index_documents
-from bench.attribution.lds_report import Split, interval, splits, subset_masks, top_only
+from bench.attribution.lds_report import (
+    Split,
+    interval,
+    on_best,
+    splits,
+    subset_losses,
+    subset_masks,
+    top_only,
+)
 from bench.attribution.run_eval import rank_of
 
 PRIMARY_K = 64
-
-
-def on_set(values: np.ndarray, ranking: np.ndarray, k: int) -> np.ndarray:
-    """``values`` of each query's best ``k`` documents by ``ranking``, 0 elsewhere."""
-    out = np.zeros_like(values)
-    best = np.argsort(-ranking, axis=1, kind="stable")[:, :k]
-    np.put_along_axis(out, best, np.take_along_axis(values, best, 1), 1)
-    return out
 
 
 def overlap_at(a: np.ndarray, b: np.ndarray, k: int, rows: np.ndarray) -> float:
@@ -135,38 +135,37 @@ def main(argv: list[str] | None = None) -> dict:
     R = np.load(work / "scores_prism_exact_raw_sum.npy").astype(np.float64)
     n_docs = P.shape[1]
     if args.split == "tune":
-        tune, _ = splits(work, queries, n_docs, args.subsets, args.tune_subsets, args.seed)
+        split, _ = splits(work, queries, n_docs, args.subsets, args.tune_subsets, args.seed)
     else:
-        losses = np.array([json.loads((work / "lds" / f"subset_{j:03d}.json").read_text())["loss"]
-                           for j in range(args.subsets)])
         lds_q = np.array([i for i, q in enumerate(queries) if q["kind"] in ("verbatim", "heldout")])
-        tune = Split(subset_masks(n_docs, args.subsets, args.seed), losses, np.arange(args.subsets), lds_q)
-    draws = tune.draws(args.boot, args.seed + 11)
-    ref = tune.lds(E)
-    ref_b = tune.boot(E, draws)
+        split = Split(subset_masks(n_docs, args.subsets, args.seed), subset_losses(work, args.subsets),
+                      np.arange(args.subsets), lds_q)
+    draws = split.draws(args.boot, args.seed + 11)
+    ref = split.lds(E)
+    ref_b = split.boot(E, draws)
 
     def row(S: np.ndarray) -> dict:
-        b = tune.boot(S, draws)
-        point = tune.lds(S)
+        b = split.boot(S, draws)
+        point = split.lds(S)
         return {"lds": interval(point, b), "diff_vs_ekfac_all": interval(point - ref, b - ref_b)}
 
     res: dict = {"work": str(work), "documents": n_docs,
                  "split": args.split,
-                 "subsets": len(tune.L), "queries": len(tune.queries),
+                 "subsets": len(split.L), "queries": len(split.queries),
                  "primary": f"ekfac_on_prism_top{PRIMARY_K}", "ekfac_all": row(E), "by_k": {}}
     for k in (int(x) for x in args.ks.split(",")):
-        res["by_k"][k] = {"ekfac_on_prism": row(on_set(E, P, k)), "ekfac_own": row(top_only(E, k)),
-                          "prism": row(top_only(P, k)), "prism_raw_on_prism": row(on_set(R, P, k)),
-                          "overlap_prism_ekfac": round(overlap_at(P, E, k, tune.queries), 4)}
+        res["by_k"][k] = {"ekfac_on_prism": row(on_best(E, P, k)), "ekfac_own": row(top_only(E, k)),
+                          "prism": row(top_only(P, k)), "prism_raw_on_prism": row(on_best(R, P, k)),
+                          "overlap_prism_ekfac": round(overlap_at(P, E, k, split.queries), 4)}
     # the guard, on the split's verbatim facts: the planted copy first in the list's order
     docs = index_documents(work / "index", ["doc_id", "external_id"])
     ext_to_doc = dict(zip(docs["external_id"], docs["doc_id"], strict=True))
-    verbatim = [i for i in tune.queries if queries[i]["kind"] == "verbatim"]
+    verbatim = [i for i in split.queries if queries[i]["kind"] == "verbatim"]
     for name, S in (("prism_order", P), ("ekfac_order", E)):
         res[f"verbatim_r1_{name}"] = float(np.mean([rank_of(S[i], {ext_to_doc[e] for e in queries[i]["planted"]}) == 1
                                                     for i in verbatim]))
     if args.time_queries:
-        res["ekfac_on_shortlist_cost"] = time_shortlist(work, P, queries, tune.queries[: args.time_queries].tolist(),
+        res["ekfac_on_shortlist_cost"] = time_shortlist(work, P, queries, split.queries[: args.time_queries].tolist(),
                                                         [PRIMARY_K, 128])
     return finish(res, "attribution/shortlist_influence.py", argv, args.out)
 

@@ -78,9 +78,10 @@ def test_index_complete_tells_a_finished_index_from_a_missing_or_half_built_one(
 def test_shortlist_values_are_kept_only_for_the_ranking_best_k():
     import numpy as np
 
-    from bench.attribution.shortlist_influence import on_set, overlap_at
+    from bench.attribution.lds_report import on_best
+    from bench.attribution.shortlist_influence import overlap_at
 
     ranking = np.array([[0.9, 0.1, 0.5, 0.7], [0.0, 0.3, 0.2, 0.1]])
     values = np.array([[1.0, 2.0, 3.0, 4.0], [5.0, 6.0, 7.0, 8.0]])
-    assert on_set(values, ranking, 2).tolist() == [[1.0, 0.0, 0.0, 4.0], [0.0, 6.0, 7.0, 0.0]]
+    assert on_best(values, ranking, 2).tolist() == [[1.0, 0.0, 0.0, 4.0], [0.0, 6.0, 7.0, 0.0]]
     assert overlap_at(ranking, values, 2, np.array([0, 1])) == 0.5  # {0, 3} vs {3, 2}; {1, 2} vs {3, 2}
