@@ -197,6 +197,8 @@ def cmd_index(args: argparse.Namespace) -> int:
 
     if args.remove or args.takedown_report or args.compact:
         return takedown(args)
+    if args.influence and not args.checkpoint:  # an existing index: its influence curvature alone
+        return fit_influence(args)
     if not args.checkpoint:
         from prism_tda.errors import ConfigError
 
@@ -214,6 +216,15 @@ def cmd_index(args: argparse.Namespace) -> int:
         return 0
     summary = ix.run(workers=args.workers, ray_address=args.ray_address, append=args.append)
     print(json.dumps(summary, indent=2))
+    return fit_influence(args) if args.influence else 0
+
+
+def fit_influence(args: argparse.Namespace) -> int:
+    """`prism index --out IDX --influence`: the full-model influence curvature of a complete index."""
+    from prism_tda.engine.influence import fit_index
+
+    print(json.dumps(fit_index(args.out, max_sequences=args.influence_sequences, progress=not args.no_progress),
+                     indent=2))
     return 0
 
 
@@ -315,6 +326,11 @@ def register(sub: Any) -> None:
                     help="print what was taken down from the index --out (which documents, when, by whom, why) and "
                          "check each one's absence: 'absent' (not in the store: neither its text nor its token "
                          "n-grams), 'filtered' (never served; stored until --compact), 'present'")
+    ix.add_argument("--influence", action="store_true",
+                    help="fit the full-model influence curvature of the index --out (what the query option "
+                         "`influence` needs): after building it, or alone on a complete index without --checkpoint")
+    ix.add_argument("--influence-sequences", type=int, default=8192, metavar="N",
+                    help="with --influence: fit on at most N of the trained sequences (a seeded sample)")
     ix.add_argument("--dry-run", action="store_true",
                     help="print estimated disk, indexing memory and time, and serving memory; write nothing")
     ix.add_argument("--json", action="store_true", help="with --dry-run: print JSON")

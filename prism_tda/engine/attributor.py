@@ -34,6 +34,7 @@ from . import layout
 from .arrays import unique
 from .candidates import FirstStages, posting_plan
 from .exact import exhaustive, measure_rate
+from .influence import EKFAC, document_influence
 from .layout import IndexManifest
 from .present import scored_document
 from .query import Query, QueryEncoder
@@ -100,6 +101,7 @@ class Attributor:
         self._corpus_mass: PrototypeMass | None = None
         self._logit_mass: PrototypeMass | None = None  # the corpus under measure="logit": one pass, kept
         self._logit_lock = threading.Lock()
+        self._ekfac: EKFAC | None = None
 
     @classmethod
     def open(cls, index_dir: str | Path, **kw) -> Attributor:
@@ -260,12 +262,42 @@ class Attributor:
         t3 = time.perf_counter()
         docs = [scored_document(self.reader, self.tokenizer, scores, best, score, rank, opponents=opt.opponents)
                 for rank, (best, score) in enumerate(ranked, 1)]
+        t_inf = time.perf_counter()
+        if opt.influence:
+            values = self.influence(q, np.array([d.doc_id for d in docs], np.int64))
+            for d, v in zip(docs, values, strict=True):
+                d.influence = float(v)
         t4 = time.perf_counter()
         cand = ctx.candidates_ms
         ms = Timings(1e3 * (t1 - t0), cand, 1e3 * (t3 - t1) - cand, 1e3 * (t4 - t3), 1e3 * (t4 - t0),
-                     ctx.shortlist_ms, ctx.rerank_ms)
+                     ctx.shortlist_ms, ctx.rerank_ms, 1e3 * (t4 - t_inf))
         return Attribution(opt.mode, opt.aggregation, pre.damping, q.info(), docs, q.per_token, ms, int(n_scored),
                            sorted(ctx.missing), ties, n_exact)
+
+    # ------------------------------------------------------------------------ full-model influence
+    def ekfac(self) -> EKFAC:
+        """The index's influence curvature (``engine/influence.py``), read on first use; QueryError when
+        the index has none or it belongs to another checkpoint."""
+        if self._ekfac is None:
+            path = self.reader.dir / layout.EKFAC
+            if not path.exists():
+                raise QueryError(f"influence: {self.reader.dir} has no influence curvature ({layout.EKFAC}); "
+                                 f"fit it with `prism index --out {self.reader.dir} --influence`")
+            ek = EKFAC.load(path)
+            if ek.checkpoint_sha256 != self.manifest.identity["checkpoint_sha256"]:
+                raise PrismError(f"{path}: fitted for another checkpoint than the index's; fit it again")
+            self._ekfac = ek
+        return self._ekfac
+
+    def influence(self, q: Query, docs: np.ndarray, damping: float | list[float] | None = None) -> np.ndarray:
+        """The full-model influence of each of ``docs`` on the encoded query (``engine/influence.py``);
+        ``damping``: x each layer's mean eigenvalue (default the module's), or a list (one row each)."""
+        from .influence import DEFAULT_DAMPING
+
+        ek = self.ekfac()
+        reader = self.local_reader("influence")
+        return document_influence(self.model, ek, reader, q.token_ids, q.target_positions, q.target_ids, docs,
+                                  DEFAULT_DAMPING if damping is None else damping)
 
     # ------------------------------------------------------------------------ steering
     def corpus_mass(self) -> PrototypeMass:

@@ -61,6 +61,7 @@ SHARDS = "shards"
 CALIBRATION = "calibration.safetensors"
 FAISS_TEMPLATE = "faiss_template.index"
 POST_SIZES = "post_sizes.npy"  # each posting list's entries over every shard (written by the reduce)
+EKFAC = "ekfac.safetensors"  # the full-model influence curvature (engine/influence.py; optional)
 PROTOTYPES, VOCAB, STATS, ESTIMATE = "prototypes.parquet", "vocab.parquet", "stats.safetensors", "estimate.json"
 # a shard's files: its tables, its FAISS part and one .npy per array (array_file)
 DOCUMENTS, SEQUENCES, SHARD_FAISS = "documents.parquet", "sequences.parquet", "faiss.index"

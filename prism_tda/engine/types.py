@@ -77,6 +77,10 @@ class QueryOptions:
     include_untrained: bool = False
     """Also return documents the checkpoint did not train on (by its training record: held out, never
     reached, or not in its corpus); each document says `trained`."""
+    influence: bool = False
+    """Also give each returned document its full-model influence (``influence``): EK-FAC through every
+    linear layer, summed over the document's windows, one backward pass per window (needs the index's
+    influence curvature: `prism index --out IDX --influence`; not from a cluster)."""
     allow_partial: bool = False
     """Served from a cluster: when some shards do not answer, return the best documents of the others
     (`partial: true`, naming the missing shards) instead of failing with `shard-unavailable`."""
@@ -140,6 +144,10 @@ class ScoredDocument:
     """Training tokens of the snippet that share prototypes with the query and push the same way."""
     prototypes: list[ProtoShare] = field(default_factory=list)
     """The prototypes that carry the best token's score."""
+    influence: float | None = None
+    """With ``influence``: how much training on this document lowered the query's loss, predicted through
+    the whole model (EK-FAC over every linear layer, summed over its windows; negative: raised it). The
+    ranking stays the score's; this is the value to compare documents' effects by."""
 
 
 @dataclass
@@ -214,6 +222,8 @@ class Timings:
     """Of ``score``, fast mode: the candidates' tokens scored from the stored codes, documents shortlisted."""
     rerank: float = 0.0
     """Of ``score``, fast mode: the shortlisted sequences run through the model again, documents ranked."""
+    influence: float = 0.0
+    """Of ``details``, with ``influence``: the returned documents' full-model influence."""
 
 
 @dataclass
