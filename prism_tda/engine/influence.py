@@ -44,7 +44,7 @@ from .tokens import length_batches, pad_batch
 
 #: damping default: x each layer's mean corrected eigenvalue (chosen on the LDS tuning split,
 #: docs/benchmarks.md "Full-model influence of the returned documents")
-DEFAULT_DAMPING = 1e-4
+DEFAULT_DAMPING = 1e-6
 
 
 def tracked(model: PRISM) -> dict[str, nn.Linear]:

@@ -58,7 +58,10 @@ export function docCard(d) {
         "score ", h("b", {}, num(d.score))),
       h("a", { href: `#/document/${d.doc_id}` }, d.external_id || `document ${d.doc_id}`),
       d.raw_influence != null ? h("span", { class: "muted", title: "raw influence: breaks ties of the score" },
-        `influence ${num(d.raw_influence, 1)}`) : null,
+        `raw ${num(d.raw_influence, 1)}`) : null,
+      d.influence != null ? h("span", { class: "chip", title: "full-model influence (EK-FAC, every linear layer): "
+        + "how much training on this document lowered the output's loss; negative: raised it" },
+        `effect ${num(d.influence, 2)}`) : null,
       d.trained === false ? h("span", { class: "chip untrained", title: "the checkpoint did not train on this "
         + "document (validation split)" }, "not trained on") : null),
     d.snippet != null ? h("p", { class: "snippet" }, marked(d.snippet, d.highlights || [])) : null,

@@ -32,6 +32,7 @@ export async function render(root, { params }) {
     h("option", { value: "exact" }, "exact (every training token sharing a prototype)"));
   const opponents = h("input", { id: "attr-opp", type: "checkbox" });
   const untrained = h("input", { id: "attr-untrained", type: "checkbox" });
+  const effect = h("input", { id: "attr-influence", type: "checkbox" });
   const choice = (value, label, checked) => h("label", { class: "radio" },
     h("input", { type: "radio", name: "target", value, checked }), ` ${label}`);
   const targets = h("fieldset", { class: "targets" }, h("legend", {}, "Output to attribute"),
@@ -46,7 +47,10 @@ export async function render(root, { params }) {
     field("Prompt", prompt), targets,
     h("div", { class: "row" }, field("Documents", topK), field("Search", mode),
       h("label", { class: "check" }, opponents, " documents that oppose the output instead"),
-      h("label", { class: "check" }, untrained, " include documents the model did not train on")),
+      h("label", { class: "check" }, untrained, " include documents the model did not train on"),
+      h("label", { class: "check", title: "EK-FAC through every linear layer: a backward pass per window of "
+        + "each returned document (the index needs `prism index --out IDX --influence`)" },
+        effect, " each document's full-model influence (slower)")),
     h("div", { class: "row" }, submit, status));
   completion.addEventListener("focus", () => { targets.querySelector("input[value=completion]").checked = true; });
   nNew.addEventListener("focus", () => { targets.querySelector("input[value=generate]").checked = true; });
@@ -60,12 +64,13 @@ export async function render(root, { params }) {
     if (r.max_new_tokens != null) nNew.value = r.max_new_tokens;
     topK.value = r.n_documents ?? r.top_k; mode.value = r.mode; opponents.checked = r.opponents;
     untrained.checked = !!r.include_untrained;
+    effect.checked = !!r.influence;
   }
 
   form.addEventListener("submit", async (e) => {
     e.preventDefault();
     const req = { prompt: prompt.value, n_documents: Number(topK.value), mode: mode.value, opponents: opponents.checked,
-      include_untrained: untrained.checked };
+      include_untrained: untrained.checked, influence: effect.checked };
     const which = form.querySelector("input[name=target]:checked").value;
     if (which === "generate") req.max_new_tokens = Number(nNew.value);
     if (which === "completion") {

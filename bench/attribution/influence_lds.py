@@ -1,0 +1,163 @@
+"""LDS of the served answer with its documents' full-model influence (the query option ``influence``).
+
+``shortlist_influence.py`` showed that PRISM's best 64 documents hold EK-FAC's LDS when each keeps
+EK-FAC's value; the engine now computes such a value itself for the documents it returns
+(``engine/influence.py``: EK-FAC over every linear layer, fitted beside the index). This measures it
+as served, one query at a time:
+
+- ``prism_fast``: the fast path at the served setting (the returned documents' scores, 0 elsewhere);
+- ``prism_fast_influence``: the same documents, each with its ``influence`` (damping chosen on the
+  tuning split from ``--dampings``; with ``--split all`` give the one chosen);
+- ``ekfac_all``: kronfluence's EK-FAC scores of every document (``run_eval.py``'s, its damping chosen
+  on the tuning split: kronfluence's default);
+- ``ekfac_on_served``: kronfluence's values of the same returned documents (is the engine's value as
+  good as the library's?);
+
+with paired bootstrap differences against ``ekfac_all``, the agreement of the engine's values with
+kronfluence's on the returned documents (Pearson and Spearman per query), the guard (the verbatim
+facts' planted copy first: the ranking is the score's, so it is ``prism_fast``'s), and the seconds
+per query with and without ``influence``.
+
+    python -m bench.attribution.influence_lds --work runs/bench_lds_fresh --subsets 16 --split tune
+    python -m bench.attribution.influence_lds --work runs/bench_lds_seed3 --subsets 32 --split all \\
+        --seed 3 --dampings 1e-4 --out bench/results/attribution_influence_seed3.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+import numpy as np
+from scipy.stats import spearmanr
+
+from bench._common import finish, index_documents
+from bench.attribution.lds_report import Split, interval, on_best, splits, subset_losses, subset_masks
+from bench.attribution.run_eval import rank_of
+
+
+def main(argv: list[str] | None = None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--work", default="runs/bench_lds_fresh")
+    ap.add_argument("--subsets", type=int, default=16, help="retrained subsets in the work folder")
+    ap.add_argument("--tune-subsets", type=int, default=16)
+    ap.add_argument("--seed", type=int, default=1, help="as given to run_eval.py (subset draws)")
+    ap.add_argument("--split", choices=("tune", "all"), default="tune",
+                    help="tune: lds_report.py's tuning split; all: every subset and LDS query of a fresh folder")
+    ap.add_argument("--k", type=int, default=64, help="documents a query returns (the served setting)")
+    ap.add_argument("--served-damping", type=float, default=0.01,
+                    help="the fast path's curvature damping (the served setting chosen on the tuning split)")
+    ap.add_argument("--dampings", default="1e-8,1e-6,1e-4,1e-2,1e-1",
+                    help="influence damping(s), x each layer's mean eigenvalue (the served one, the engine's "
+                         "default, is always measured and timed)")
+    ap.add_argument("--boot", type=int, default=2000)
+    ap.add_argument("--out", default="bench/results/attribution_influence_tune.json")
+    ap.add_argument("--merge-into", help="also write the report's LDS keys into this results file "
+                                         "(bench/results/attribution.json) under fresh_split_influence")
+    args = ap.parse_args(argv)
+    import torch
+
+    from prism_tda.engine import Attributor, QueryOptions, QuerySpec
+    from prism_tda.engine import layout as store
+    from prism_tda.engine.influence import DEFAULT_DAMPING, fit_index
+
+    torch.set_num_threads(2)
+    work = Path(args.work)
+    queries = json.loads((work / "queries.json").read_text())
+    E = np.load(work / "scores_ekfac.npy").astype(np.float64)
+    n_docs = E.shape[1]
+    if args.split == "tune":
+        split, _ = splits(work, queries, n_docs, args.subsets, args.tune_subsets, args.seed)
+    else:
+        lds_q = np.array([i for i, q in enumerate(queries) if q["kind"] in ("verbatim", "heldout")])
+        split = Split(subset_masks(n_docs, args.subsets, args.seed), subset_losses(work, args.subsets),
+                      np.arange(args.subsets), lds_q)
+    dampings = sorted({float(x) for x in args.dampings.split(",")} | {DEFAULT_DAMPING})
+    fitted = None
+    if not (work / "index" / store.EKFAC).exists():
+        fitted = fit_index(work / "index", progress=True)
+    att = Attributor.open(work / "index")
+    S = np.zeros((len(queries), n_docs))
+    V = {c: np.zeros((len(queries), n_docs)) for c in dampings}
+    t_plain, t_inf, agree = [], [], []
+    opt = dict(n_documents=args.k, exact_rerank=max(32, args.k), damping=args.served_damping)
+    for n, i in enumerate(split.queries):
+        q = queries[i]
+        spec = QuerySpec(q["prompt"], q["completion"])
+        t0 = time.perf_counter()
+        plain = att.attribute(spec, QueryOptions(**opt))
+        t_plain.append(time.perf_counter() - t0)
+        t0 = time.perf_counter()
+        served = att.attribute(spec, QueryOptions(**opt, influence=True))  # as served: ranking + values
+        t_inf.append(time.perf_counter() - t0)
+        docs = np.array([d.doc_id for d in served.documents], np.int64)
+        assert docs.tolist() == [d.doc_id for d in plain.documents]
+        for d in plain.documents:
+            S[i, d.doc_id] = d.score
+        V[DEFAULT_DAMPING][i, docs] = [d.influence for d in served.documents]
+        others = [c for c in dampings if c != DEFAULT_DAMPING]
+        if others:
+            for c, r in zip(others, att.influence(att.encode(spec), docs, others), strict=True):
+                V[c][i, docs] = r
+        if len(docs) > 2:
+            v, e = V[DEFAULT_DAMPING][i, docs], E[i, docs]
+            agree.append((float(np.corrcoef(v, e)[0, 1]), float(spearmanr(v, e).correlation)))
+        if n % 20 == 0:
+            print(f"{n}/{len(split.queries)} queries, {np.median(t_inf):.3f} s with influence", flush=True)
+    draws = split.draws(args.boot, args.seed + 11)
+    ref, ref_b = split.lds(E), split.boot(E, draws)
+
+    def row(M: np.ndarray) -> dict:
+        b = split.boot(M, draws)
+        point = split.lds(M)
+        return {"lds": interval(point, b), "diff_vs_ekfac_all": interval(point - ref, b - ref_b)}
+
+    res: dict = {"work": str(work), "split": args.split, "documents": n_docs, "subsets": len(split.L),
+                 "queries": len(split.queries), "returned": args.k, "served_damping": args.served_damping,
+                 "influence_damping_served": DEFAULT_DAMPING, "influence_fit": fitted,
+                 "ekfac_all": row(E), "prism_fast": row(S),
+                 "prism_fast_influence": {f"{c:g}": row(V[c]) for c in dampings},
+                 "ekfac_on_served": row(on_best(E, S, args.k)),
+                 **{m: row(np.load(work / f"scores_{m}.npy").astype(np.float64)) for m in ("trak", "bergson", "bm25")
+                    if (work / f"scores_{m}.npy").exists()},
+                 "agreement_with_kronfluence_on_returned": {
+                     "pearson_median": round(float(np.median([a for a, _ in agree])), 4),
+                     "spearman_median": round(float(np.median([b for _, b in agree])), 4)},
+                 "seconds_per_query_median": {"fast": round(float(np.median(t_plain)), 4),
+                                              "fast_with_influence": round(float(np.median(t_inf)), 4)}}
+    docs_t = index_documents(work / "index", ["doc_id", "external_id"])
+    ext_to_doc = dict(zip(docs_t["external_id"], docs_t["doc_id"], strict=True))
+    verbatim = [i for i in split.queries if queries[i]["kind"] == "verbatim"]
+    res["verbatim_r1_served_order"] = float(np.mean([rank_of(S[i], {ext_to_doc[e] for e in queries[i]["planted"]}) == 1
+                                                     for i in verbatim]))
+    best = max(dampings, key=lambda c: res["prism_fast_influence"][f"{c:g}"]["lds"][0])
+    res["influence_damping_best_here"] = best
+    out = finish(res, "attribution/influence_lds.py", argv, args.out)
+    if args.merge_into:
+        merge(Path(args.merge_into), out, args.out)
+    return out
+
+
+def merge(path: Path, res: dict, source: str) -> None:
+    """The fresh split's LDS keys of ``res`` into the results file ``path`` (the rest of it unchanged)."""
+    att = json.loads(path.read_text())
+    served = res["prism_fast_influence"][f"{res['influence_damping_served']:g}"]
+    block = {"lds_prism_fast_influence": served["lds"][0], "lds_prism_fast_influence_ci": served["lds"],
+             "lds_diff_prism_fast_influence_ekfac_ci": served["diff_vs_ekfac_all"],
+             "lds_prism_fast": res["prism_fast"]["lds"][0], "lds_prism_fast_ci": res["prism_fast"]["lds"],
+             "lds_diff_prism_fast_ekfac_ci": res["prism_fast"]["diff_vs_ekfac_all"],
+             "lds_ekfac": res["ekfac_all"]["lds"][0], "lds_ekfac_ci": res["ekfac_all"]["lds"],
+             **{f"lds_{m}": res[m]["lds"][0] for m in ("trak", "bergson", "bm25") if m in res},
+             **{f"lds_{m}_ci": res[m]["lds"] for m in ("trak", "bergson", "bm25") if m in res},
+             "verbatim_r1_served_order": res["verbatim_r1_served_order"],
+             "seconds_per_query_median": res["seconds_per_query_median"],
+             "split": {k: res[k] for k in ("work", "subsets", "queries", "documents", "returned")},
+             "source": source, "date": res.get("date")}
+    att["fresh_split_influence"] = block
+    path.write_text(json.dumps(att, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,33 @@
+"""The query option ``influence`` over HTTP: each returned document's full-model influence where the
+index has its influence curvature, a problem naming the fix where it has none."""
+
+from __future__ import annotations
+
+import shutil
+
+import httpx
+
+from prism_tda.engine import layout
+from prism_tda.engine.influence import fit_index
+
+from .conftest import assert_problem, service_settings, serving
+
+
+def test_attribute_with_influence(index, tmp_path):
+    fitted = tmp_path / "fitted"
+    shutil.copytree(index, fitted)
+    fit_index(fitted, max_sequences=32)
+    assert (fitted / layout.EKFAC).exists() and not (index / layout.EKFAC).exists()
+    settings = service_settings(fitted, tmp_path / "state", indexes={"fitted": fitted, "bare": index})
+    with serving(settings) as live, httpx.Client(base_url=live.url, timeout=60) as c:
+        q = {"prompt": "A computer", "completion": " is a", "n_documents": 3}
+        r = c.post("/v1/attribute", json={**q, "index": "fitted", "influence": True})
+        assert r.status_code == 200, r.text
+        docs = r.json()["documents"]
+        assert len(docs) == 3 and all(isinstance(d["influence"], float) for d in docs)
+        assert r.json()["timings_ms"]["influence"] > 0
+        plain = c.post("/v1/attribute", json={**q, "index": "fitted"}).json()["documents"]
+        assert [d["doc_id"] for d in plain] == [d["doc_id"] for d in docs]  # the ranking is the score's
+        assert all(d["influence"] is None for d in plain)
+        assert_problem(c.post("/v1/attribute", json={**q, "index": "bare", "influence": True}), 422,
+                       "invalid-query", mentions="--influence")
