@@ -82,7 +82,8 @@ def print_attribution(index_dir: str | Path, spec: Any, options: Any, as_json: b
     for d in res.documents:
         snippet = " ".join(d.snippet.split())[:110]
         mark = "" if d.trained else "  [not trained on]"
-        print(f"{d.rank:3d}. {d.score:+.3f}  {d.external_id:<22s} {snippet}{mark}")
+        effect = "" if d.influence is None else f"  effect {d.influence:+.3g} "
+        print(f"{d.rank:3d}. {d.score:+.3f}{effect}  {d.external_id:<22s} {snippet}{mark}")
     if res.tied_beyond_last:
         scope = "" if res.mode == "exact" else " (at least: among the documents re-ranked)"
         print(f"     {res.tied_beyond_last} more documents score within 0.1% of the last one{scope}")
