@@ -74,6 +74,10 @@ def _is_bundled(path: Path) -> bool:
     return src is not None and ckpt.read_config(src)["files"] == ckpt.read_config(path)["files"]
 
 
+#: windows the demo fits its influence curvature on (``prism index --influence`` takes up to 8,192)
+DEMO_INFLUENCE_SEQUENCES = 1024
+
+
 def cmd_demo(args: argparse.Namespace) -> int:
     """Index the bundled corpus with the bundled demo model (or, with --train, a model trained here), show
     samples, serve."""
@@ -125,9 +129,15 @@ def cmd_demo(args: argparse.Namespace) -> int:
     index_dir = out / "index"
     _drop_outdated_index(index_dir, index_cfg)
     index = build_index(ckpt_path, [demo_corpus_path()], index_dir, index_cfg, progress=not args.no_progress)
+    from prism_tda.engine.influence import fit_index, fitted_for
+
+    t_inf = time.perf_counter()
+    if not fitted_for(index_dir):  # what the query option `influence` needs (a sample of the windows)
+        fit_index(index_dir, max_sequences=DEMO_INFLUENCE_SEQUENCES, progress=not args.no_progress)
     summary = {
         "checkpoint": str(ckpt_path), "index": str(out / "index"), "bundled_model": bundled,
-        "train_seconds": round(t_train, 1), "total_seconds": round(time.perf_counter() - t0, 1),
+        "train_seconds": round(t_train, 1), "influence_seconds": round(time.perf_counter() - t_inf, 1),
+        "total_seconds": round(time.perf_counter() - t0, 1),
         "model": {k: training.get("eval", {}).get(k) for k in ("val_loss", "R1bar", "R2", "effective_prototypes",
                                                               "dead_prototypes")},
         "index_summary": {k: index[k] for k in ("documents", "sequences", "tokens", "shards", "bad_records",

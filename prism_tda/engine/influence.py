@@ -284,3 +284,14 @@ def fit_index(index_dir: str | Path, *, max_sequences: int = 8192, seed: int = 0
     ek.save(index_dir / layout.EKFAC, manifest.identity["checkpoint_sha256"])
     return {"index": str(index_dir), "file": layout.EKFAC, "sequences": ek.n_sequences,
             "layers": sorted(ek.qa), "seconds": round(time.perf_counter() - t0, 1)}
+
+
+def fitted_for(index_dir: str | Path) -> bool:
+    """Whether the index holds an influence curvature fitted for its own checkpoint."""
+    from . import layout
+
+    path = Path(index_dir) / layout.EKFAC
+    if not path.exists():
+        return False
+    manifest = layout.read_manifest(Path(index_dir))
+    return manifest is not None and EKFAC.load(path).checkpoint_sha256 == manifest.identity["checkpoint_sha256"]

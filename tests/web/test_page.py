@@ -315,3 +315,44 @@ def test_prototypes_are_searchable_by_label(page, web_live):
     assert links and any(f"prototype {first['proto_id']} " in t for t in links)
     api = httpx.get(web_live.url + "/v1/prototypes", params={"q": word, "limit": 25}, timeout=60).json()
     assert len(links) == len(api["prototypes"])
+
+
+@pytest.fixture(scope="module")
+def fitted(index, tmp_path_factory):
+    """A server over a copy of the tiny index with its influence curvature, and one over the index without."""
+    import shutil
+
+    from prism_tda.engine.influence import fit_index
+
+    ix = tmp_path_factory.mktemp("web-influence") / "ix"
+    shutil.copytree(index, ix)
+    fit_index(ix, max_sequences=32)
+    settings = service_settings(ix, tmp_path_factory.mktemp("web-influence-state"), indexes={"tiny": ix})
+    with serving(settings) as live:
+        yield live.url
+
+
+def test_influence_checkbox_shows_each_documents_effect(browser, fitted, web_live):
+    context = browser.new_context(viewport={"width": 1280, "height": 900})
+    page = context.new_page()
+    page.set_default_timeout(30_000)
+    errors: list[str] = []
+    page.on("pageerror", lambda e: errors.append(str(e)))
+    try:
+        for url, works in ((fitted, True), (web_live.url, False)):
+            page.goto(url + "/#/attribute")
+            page.fill("#attr-prompt", PROMPT)
+            page.check("#attr-influence")
+            page.get_by_role("button", name="Attribute", exact=True).click()
+            if works:
+                page.locator("#docs-panel .doc").first.wait_for()
+                effects = page.locator("#docs-panel .doc .chip", has_text="effect").all_inner_texts()
+                assert len(effects) == page.locator("#docs-panel .doc").count() > 0
+                assert all(re.fullmatch(r"effect -?[0-9.,e+-]+", t.strip()) for t in effects), effects
+            else:  # an index without the curvature: the problem says how to fit it
+                alert = page.locator("[role=alert]").first
+                alert.wait_for()
+                assert "--influence" in alert.inner_text()
+    finally:
+        context.close()
+    assert not errors, errors
