@@ -94,8 +94,8 @@ def test_fitted_factors_are_orthonormal_and_eigenvalues_carry_the_gradient_norm(
             norms[n] = norms.get(n, 0.0) + float((g.double() ** 2).sum()) / len(seqs)
     for n in ek.qa:
         eye_a, eye_s = torch.eye(len(ek.qa[n]), dtype=ek.qa[n].dtype), torch.eye(len(ek.qs[n]), dtype=ek.qs[n].dtype)
-        assert torch.allclose(ek.qa[n].T @ ek.qa[n], eye_a, atol=1e-8)
-        assert torch.allclose(ek.qs[n].T @ ek.qs[n], eye_s, atol=1e-8)
+        assert torch.allclose(ek.qa[n].T @ ek.qa[n], eye_a, atol=1e-5)
+        assert torch.allclose(ek.qs[n].T @ ek.qs[n], eye_s, atol=1e-5)
         assert float(ek.lam[n].min()) >= 0
         assert float(ek.lam[n].sum()) == pytest.approx(norms[n], rel=1e-3)
     reader.close()
