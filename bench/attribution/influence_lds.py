@@ -34,7 +34,7 @@ import numpy as np
 from scipy.stats import spearmanr
 
 from bench._common import finish, index_documents
-from bench.attribution.lds_report import Split, interval, on_best, splits, subset_losses, subset_masks
+from bench.attribution.lds_report import against, folder_split, on_best
 from bench.attribution.run_eval import rank_of
 
 
@@ -68,12 +68,7 @@ def main(argv: list[str] | None = None) -> dict:
     queries = json.loads((work / "queries.json").read_text())
     E = np.load(work / "scores_ekfac.npy").astype(np.float64)
     n_docs = E.shape[1]
-    if args.split == "tune":
-        split, _ = splits(work, queries, n_docs, args.subsets, args.tune_subsets, args.seed)
-    else:
-        lds_q = np.array([i for i, q in enumerate(queries) if q["kind"] in ("verbatim", "heldout")])
-        split = Split(subset_masks(n_docs, args.subsets, args.seed), subset_losses(work, args.subsets),
-                      np.arange(args.subsets), lds_q)
+    split = folder_split(work, queries, n_docs, args.subsets, args.tune_subsets, args.seed, args.split)
     dampings = sorted({float(x) for x in args.dampings.split(",")} | {DEFAULT_DAMPING})
     fitted = None
     if not (work / "index" / store.EKFAC).exists():
@@ -106,13 +101,7 @@ def main(argv: list[str] | None = None) -> dict:
             agree.append((float(np.corrcoef(v, e)[0, 1]), float(spearmanr(v, e).correlation)))
         if n % 20 == 0:
             print(f"{n}/{len(split.queries)} queries, {np.median(t_inf):.3f} s with influence", flush=True)
-    draws = split.draws(args.boot, args.seed + 11)
-    ref, ref_b = split.lds(E), split.boot(E, draws)
-
-    def row(M: np.ndarray) -> dict:
-        b = split.boot(M, draws)
-        point = split.lds(M)
-        return {"lds": interval(point, b), "diff_vs_ekfac_all": interval(point - ref, b - ref_b)}
+    row = against(split, E, args.boot, args.seed + 11)
 
     res: dict = {"work": str(work), "split": args.split, "documents": n_docs, "subsets": len(split.L),
                  "queries": len(split.queries), "returned": args.k, "served_damping": args.served_damping,

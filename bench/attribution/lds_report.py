@@ -105,6 +105,29 @@ def splits(work: Path, queries: list[dict], n_docs: int, n_subsets: int, tune_su
             Split(masks, losses, subsets[tune_subsets:], np.sort(report_q)))
 
 
+def folder_split(work: Path, queries: list[dict], n_docs: int, n_subsets: int, tune_subsets: int, seed: int,
+                 which: str) -> Split:
+    """``tune``: the folder's tuning split (``splits``); ``all``: every subset and LDS query (verbatim facts
+    and held-out documents) of a fresh folder that nothing was chosen on."""
+    if which == "tune":
+        return splits(work, queries, n_docs, n_subsets, tune_subsets, seed)[0]
+    lds_q = np.array([i for i, q in enumerate(queries) if q["kind"] in ("verbatim", "heldout")])
+    return Split(subset_masks(n_docs, n_subsets, seed), subset_losses(work, n_subsets), np.arange(n_subsets), lds_q)
+
+
+def against(split: Split, ref: np.ndarray, n_boot: int, seed: int):
+    """``row(S)``: LDS of the scores ``S`` on ``split`` with its 95% interval, and the paired difference
+    against the reference scores ``ref`` (draws resample subsets and queries, the same for every S)."""
+    draws = split.draws(n_boot, seed)
+    ref_point, ref_b = split.lds(ref), split.boot(ref, draws)
+
+    def row(S: np.ndarray) -> dict:
+        b = split.boot(S, draws)
+        point = split.lds(S)
+        return {"lds": interval(point, b), "diff_vs_ekfac_all": interval(point - ref_point, b - ref_b)}
+    return row
+
+
 def interval(point: float, boots: np.ndarray) -> list[float]:
     return [round(point, 4), round(float(np.percentile(boots, 2.5)), 4), round(float(np.percentile(boots, 97.5)), 4)]
 

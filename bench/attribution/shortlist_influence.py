@@ -45,15 +45,7 @@ from pathlib import Path
 import numpy as np
 
 from bench._common import finish, index_documents
-from bench.attribution.lds_report import (
-    Split,
-    interval,
-    on_best,
-    splits,
-    subset_losses,
-    subset_masks,
-    top_only,
-)
+from bench.attribution.lds_report import against, folder_split, on_best, top_only
 from bench.attribution.run_eval import rank_of
 
 PRIMARY_K = 64
@@ -134,20 +126,8 @@ def main(argv: list[str] | None = None) -> dict:
     E = np.load(work / "scores_ekfac.npy").astype(np.float64)
     R = np.load(work / "scores_prism_exact_raw_sum.npy").astype(np.float64)
     n_docs = P.shape[1]
-    if args.split == "tune":
-        split, _ = splits(work, queries, n_docs, args.subsets, args.tune_subsets, args.seed)
-    else:
-        lds_q = np.array([i for i, q in enumerate(queries) if q["kind"] in ("verbatim", "heldout")])
-        split = Split(subset_masks(n_docs, args.subsets, args.seed), subset_losses(work, args.subsets),
-                      np.arange(args.subsets), lds_q)
-    draws = split.draws(args.boot, args.seed + 11)
-    ref = split.lds(E)
-    ref_b = split.boot(E, draws)
-
-    def row(S: np.ndarray) -> dict:
-        b = split.boot(S, draws)
-        point = split.lds(S)
-        return {"lds": interval(point, b), "diff_vs_ekfac_all": interval(point - ref, b - ref_b)}
+    split = folder_split(work, queries, n_docs, args.subsets, args.tune_subsets, args.seed, args.split)
+    row = against(split, E, args.boot, args.seed + 11)
 
     res: dict = {"work": str(work), "documents": n_docs,
                  "split": args.split,
