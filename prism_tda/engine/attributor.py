@@ -294,6 +294,9 @@ class Attributor:
         ``damping``: x each layer's mean eigenvalue (default the module's), or a list (one row each)."""
         from .influence import DEFAULT_DAMPING
 
+        if not isinstance(self.shards, LocalShards):
+            raise QueryError("influence: reads the returned documents' windows in this process; not served from "
+                             "a cluster (serve the index without one to ask for it)")
         ek = self.ekfac()
         reader = self.local_reader("influence")
         return document_influence(self.model, ek, reader, q.token_ids, q.target_positions, q.target_ids, docs,
