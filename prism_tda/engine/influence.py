@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -53,19 +54,24 @@ def tracked(model: PRISM) -> dict[str, nn.Linear]:
 
 
 class _Capture:
-    """Each tracked layer's inputs (B, T, d_in) and, after ``backward``, its output gradients (B, T, d_out).
-    The gradients are taken with ``torch.autograd.grad``: nothing accumulates in the parameters' ``.grad``,
-    so queries in other threads can share the model."""
+    """Each tracked layer's inputs (B, T, d_in) and, after ``backward``, its output gradients (B, T, d_out),
+    of the forward passes of the thread that made it. The gradients are taken with
+    ``torch.autograd.grad``: nothing accumulates in the parameters' ``.grad``, so queries in other
+    threads can share the model."""
 
     def __init__(self, layers: dict[str, nn.Linear]) -> None:
         self.a: dict[str, torch.Tensor] = {}
         self.out: dict[str, torch.Tensor] = {}
         self.g: dict[str, torch.Tensor] = {}
+        # hooks belong to the shared modules: record only this thread's forward passes (a server runs
+        # other queries' forwards through the same model meanwhile)
+        self._thread = threading.get_ident()
         self._hooks = [m.register_forward_hook(self._hook(name)) for name, m in layers.items()]
 
     def _hook(self, name: str):
         def fwd(_m: nn.Module, inp: tuple[torch.Tensor, ...], out: torch.Tensor) -> None:
-            self.a[name], self.out[name] = inp[0].detach(), out
+            if threading.get_ident() == self._thread:
+                self.a[name], self.out[name] = inp[0].detach(), out
         return fwd
 
     def backward(self, loss: torch.Tensor) -> None:

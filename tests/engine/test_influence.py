@@ -138,3 +138,38 @@ def test_curvature_of_another_checkpoint_is_refused(ix, tmp_path):
     ek.save(other / layout.EKFAC, "0" * 64)
     with pytest.raises(PrismError, match="another checkpoint"):
         Attributor.open(other).attribute(COMPUTER, QueryOptions(n_documents=2, influence=True))
+
+
+def test_concurrent_queries_get_their_own_values(att, ix):
+    """Server threads share the model: influence in two threads at once, while a third runs plain
+    queries through the same layers, gives each query the value it gets alone."""
+    import threading
+
+    if not (ix / layout.EKFAC).exists():
+        inf.fit_index(ix, max_sequences=16)
+    specs = [COMPUTER, QuerySpec("The only way", " to be")]
+    alone = [[d.influence for d in att.attribute(s, QueryOptions(n_documents=4, influence=True)).documents]
+             for s in specs]
+    got: dict[int, list] = {}
+    errors: list[BaseException] = []
+
+    def run(i: int) -> None:
+        try:
+            for _ in range(3):
+                got[i] = [d.influence for d in att.attribute(specs[i], QueryOptions(n_documents=4, influence=True)).documents]
+        except BaseException as e:  # noqa: BLE001 (reported below)
+            errors.append(e)
+
+    def plain() -> None:
+        for _ in range(6):
+            att.attribute(QuerySpec("A man", " said"), QueryOptions(n_documents=3))
+
+    threads = [threading.Thread(target=run, args=(0,)), threading.Thread(target=run, args=(1,)),
+               threading.Thread(target=plain)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors
+    for i in range(2):
+        assert np.allclose(got[i], alone[i], rtol=1e-4, atol=1e-6), (i, got[i], alone[i])
