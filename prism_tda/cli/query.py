@@ -84,6 +84,9 @@ def print_attribution(index_dir: str | Path, spec: Any, options: Any, as_json: b
         mark = "" if d.trained else "  [not trained on]"
         effect = "" if d.influence is None else f"  effect {d.influence:+.3g} "
         print(f"{d.rank:3d}. {d.score:+.3f}{effect}  {d.external_id:<22s} {snippet}{mark}")
+    if res.opposed_by_influence:
+        print(f"     {res.opposed_by_influence} of the first {options.n_documents} by score left out: their full-model "
+              "influence pushes the other way")
     if res.tied_beyond_last:
         scope = "" if res.mode == "exact" else " (at least: among the documents re-ranked)"
         print(f"     {res.tied_beyond_last} more documents score within 0.1% of the last one{scope}")

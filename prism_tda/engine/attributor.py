@@ -19,6 +19,7 @@ the fast path is measured against, ``exact.py``). Results are presented by ``pre
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 import time
 from pathlib import Path
@@ -263,16 +264,23 @@ class Attributor:
         docs = [scored_document(self.reader, self.tokenizer, scores, best, score, rank, opponents=opt.opponents)
                 for rank, (best, score) in enumerate(ranked, 1)]
         t_inf = time.perf_counter()
+        opposed = 0
         if opt.influence:
+            # the documents that drove the output by both measures: the score's order, less those the whole
+            # model says push the other way (docs/attribution.md, "Full-model influence")
             values = self.influence(q, np.array([d.doc_id for d in docs], np.int64))
+            sign = -1.0 if opt.opponents else 1.0
             for d, v in zip(docs, values, strict=True):
                 d.influence = float(v)
+            kept = [d for d in docs if sign * (d.influence or 0.0) > 0]
+            opposed = len(docs) - len(kept)
+            docs = [dataclasses.replace(d, rank=r) for r, d in enumerate(kept, 1)]
         t4 = time.perf_counter()
         cand = ctx.candidates_ms
         ms = Timings(1e3 * (t1 - t0), cand, 1e3 * (t3 - t1) - cand, 1e3 * (t4 - t3), 1e3 * (t4 - t0),
                      ctx.shortlist_ms, ctx.rerank_ms, 1e3 * (t4 - t_inf))
         return Attribution(opt.mode, opt.aggregation, pre.damping, q.info(), docs, q.per_token, ms, int(n_scored),
-                           sorted(ctx.missing), ties, n_exact)
+                           sorted(ctx.missing), ties, n_exact, opposed)
 
     # ------------------------------------------------------------------------ full-model influence
     def ekfac(self) -> EKFAC:

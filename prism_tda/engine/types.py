@@ -80,7 +80,9 @@ class QueryOptions:
     influence: bool = False
     """Also give each returned document its full-model influence (``influence``): EK-FAC through every
     linear layer, summed over the document's windows, one backward pass per window (needs the index's
-    influence curvature: `prism index --out IDX --influence`; not from a cluster)."""
+    influence curvature: `prism index --out IDX --influence`; not from a cluster). Of the first
+    n_documents by score, those whose influence pushes the other way are left out (counted in
+    ``opposed_by_influence``)."""
     allow_partial: bool = False
     """Served from a cluster: when some shards do not answer, return the best documents of the others
     (`partial: true`, naming the missing shards) instead of failing with `shard-unavailable`."""
@@ -253,6 +255,10 @@ class Attribution:
     documents_reranked: int = 0
     """Documents scored exactly: fast, the shortlisted documents the model re-scored (at least
     n_documents, at most exact_rerank; fewer with adaptive_rerank); exact, every document."""
+    opposed_by_influence: int = 0
+    """With ``influence``: documents the score ranked among the first ``n_documents`` but left out
+    because their full-model influence pushes the other way (negative for the documents that drove the
+    output, positive with ``opponents``); the others keep their ranks' order."""
 
     @property
     def partial(self) -> bool:

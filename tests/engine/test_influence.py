@@ -106,13 +106,20 @@ def test_attribute_returns_each_documents_influence(att, ix):
         att.attribute(COMPUTER, QueryOptions(n_documents=4, influence=True))
     info = inf.fit_index(ix, max_sequences=64)
     assert (ix / layout.EKFAC).exists() and info["sequences"] == 64
-    res = att.attribute(COMPUTER, QueryOptions(n_documents=4, influence=True))
-    plain = att.attribute(COMPUTER, QueryOptions(n_documents=4))
-    # the ranking is the score's; each document gains its value, the sum over its windows
-    assert [d.doc_id for d in res.documents] == [d.doc_id for d in plain.documents]
-    assert all(d.influence is None for d in plain.documents)
-    docs = np.array([d.doc_id for d in res.documents])
+    res = att.attribute(COMPUTER, QueryOptions(n_documents=8, influence=True))
+    plain = att.attribute(COMPUTER, QueryOptions(n_documents=8))
+    assert all(d.influence is None for d in plain.documents) and plain.opposed_by_influence == 0
     q = att.encode(COMPUTER)
+    # the score's order, less the documents whose full-model influence pushes the other way
+    every = dict(zip([d.doc_id for d in plain.documents],
+                     att.influence(q, np.array([d.doc_id for d in plain.documents])), strict=True))
+    assert [d.doc_id for d in res.documents] == [d.doc_id for d in plain.documents if every[d.doc_id] > 0]
+    assert res.opposed_by_influence == sum(v <= 0 for v in every.values())
+    assert [d.rank for d in res.documents] == list(range(1, len(res.documents) + 1))
+    assert 0 < len(res.documents) and all(d.influence > 0 for d in res.documents)
+    opp = att.attribute(COMPUTER, QueryOptions(n_documents=8, influence=True, opponents=True))
+    assert all(d.influence < 0 for d in opp.documents)
+    docs = np.array([d.doc_id for d in res.documents])
     reader = IndexReader(ix)
     seqs, of = inf.document_sequences(reader, docs)
     P = att.ekfac().precondition(inf.query_gradient(att.model, q.token_ids, q.target_positions, q.target_ids),
@@ -120,7 +127,7 @@ def test_attribute_returns_each_documents_influence(att, ix):
     per_seq = inf.sequence_influence(att.model, P, reader, seqs)
     for d in res.documents:
         assert d.influence == pytest.approx(float(per_seq[of == d.doc_id].sum()), rel=1e-4, abs=1e-6)
-    assert len({round(d.influence, 6) for d in res.documents}) > 1
+    assert len({round(d.influence, 6) for d in res.documents}) == len(res.documents)
     assert res.timings_ms.influence > 0
     # several dampings in one pass: the default's row is the value above
     rows = att.influence(q, docs, [inf.DEFAULT_DAMPING, 1.0])

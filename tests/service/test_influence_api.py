@@ -20,14 +20,17 @@ def test_attribute_with_influence(index, tmp_path):
     assert (fitted / layout.EKFAC).exists() and not (index / layout.EKFAC).exists()
     settings = service_settings(fitted, tmp_path / "state", indexes={"fitted": fitted, "bare": index})
     with serving(settings) as live, httpx.Client(base_url=live.url, timeout=60) as c:
-        q = {"prompt": "A computer", "completion": " is a", "n_documents": 3}
+        q = {"prompt": "A computer", "completion": " is a", "n_documents": 8}
         r = c.post("/v1/attribute", json={**q, "index": "fitted", "influence": True})
         assert r.status_code == 200, r.text
         docs = r.json()["documents"]
-        assert len(docs) == 3 and all(isinstance(d["influence"], float) for d in docs)
+        assert docs and all(isinstance(d["influence"], float) and d["influence"] > 0 for d in docs)
         assert r.json()["timings_ms"]["influence"] > 0
         plain = c.post("/v1/attribute", json={**q, "index": "fitted"}).json()["documents"]
-        assert [d["doc_id"] for d in plain] == [d["doc_id"] for d in docs]  # the ranking is the score's
         assert all(d["influence"] is None for d in plain)
+        # the score's order, less the documents the whole model says push the other way
+        kept = {d["doc_id"] for d in docs}
+        assert [d["doc_id"] for d in docs] == [d["doc_id"] for d in plain if d["doc_id"] in kept]
+        assert r.json()["opposed_by_influence"] == len(plain) - len(docs)
         assert_problem(c.post("/v1/attribute", json={**q, "index": "bare", "influence": True}), 422,
                        "invalid-query", mentions="--influence")

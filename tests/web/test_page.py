@@ -342,6 +342,7 @@ def test_influence_checkbox_shows_each_documents_effect(browser, fitted, web_liv
         for url, works in ((fitted, True), (web_live.url, False)):
             page.goto(url + "/#/attribute")
             page.fill("#attr-prompt", PROMPT)
+            page.fill("#attr-topk", "20")
             page.check("#attr-influence")
             page.get_by_role("button", name="Attribute", exact=True).click()
             if works:
