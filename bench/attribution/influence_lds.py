@@ -6,12 +6,14 @@ EK-FAC's value; the engine now computes such a value itself for the documents it
 as served, one query at a time:
 
 - ``prism_fast``: the fast path at the served setting (the returned documents' scores, 0 elsewhere);
-- ``prism_fast_influence``: the same documents, each with its ``influence`` (damping chosen on the
-  tuning split from ``--dampings``; with ``--split all`` give the one chosen);
+- ``prism_fast_influence``: the answer with ``influence``: the first ``k`` by score less those whose
+  full-model influence opposes the output, each with its value (damping chosen on the tuning split
+  from ``--dampings``; with ``--split all`` give the one chosen);
 - ``ekfac_all``: kronfluence's EK-FAC scores of every document (``run_eval.py``'s, its damping chosen
   on the tuning split: kronfluence's default);
 - ``ekfac_on_served``: kronfluence's values of the same returned documents (is the engine's value as
-  good as the library's?);
+  good as the library's?); ``ekfac_on_score_top``: kronfluence's values of the first ``k`` by score,
+  none left out (what leaving out the opposed documents changes);
 
 with paired bootstrap differences against ``ekfac_all``, the agreement of the engine's values with
 kronfluence's on the returned documents (Pearson and Spearman per query), the guard (the verbatim
@@ -76,7 +78,8 @@ def main(argv: list[str] | None = None) -> dict:
     att = Attributor.open(work / "index")
     S = np.zeros((len(queries), n_docs))
     V = {c: np.zeros((len(queries), n_docs)) for c in dampings}
-    t_plain, t_inf, agree = [], [], []
+    K = np.zeros((len(queries), n_docs), dtype=bool)  # the documents served with influence
+    t_plain, t_inf, agree, opposed = [], [], [], []
     opt = dict(n_documents=args.k, exact_rerank=max(32, args.k), damping=args.served_damping)
     for n, i in enumerate(split.queries):
         q = queries[i]
@@ -88,9 +91,12 @@ def main(argv: list[str] | None = None) -> dict:
         served = att.attribute(spec, QueryOptions(**opt, influence=True))  # as served: ranking + values
         t_inf.append(time.perf_counter() - t0)
         docs = np.array([d.doc_id for d in served.documents], np.int64)
-        assert docs.tolist() == [d.doc_id for d in plain.documents]
+        kept = set(docs.tolist())  # the score's order, less the documents the whole model says oppose
+        assert docs.tolist() == [d.doc_id for d in plain.documents if d.doc_id in kept]
+        opposed.append(served.opposed_by_influence / max(1, len(plain.documents)))
         for d in plain.documents:
             S[i, d.doc_id] = d.score
+        K[i, docs] = True
         V[DEFAULT_DAMPING][i, docs] = [d.influence for d in served.documents]
         others = [c for c in dampings if c != DEFAULT_DAMPING]
         if others:
@@ -108,7 +114,9 @@ def main(argv: list[str] | None = None) -> dict:
                  "influence_damping_served": DEFAULT_DAMPING, "influence_fit": fitted,
                  "ekfac_all": row(E), "prism_fast": row(S),
                  "prism_fast_influence": {f"{c:g}": row(V[c]) for c in dampings},
-                 "ekfac_on_served": row(on_best(E, S, args.k)),
+                 "ekfac_on_served": row(np.where(K, E, 0.0)),
+                 "ekfac_on_score_top": row(on_best(E, S, args.k)),
+                 "opposed_share_mean": round(float(np.mean(opposed)), 4),
                  **{m: row(np.load(work / f"scores_{m}.npy").astype(np.float64)) for m in ("trak", "bergson", "bm25")
                     if (work / f"scores_{m}.npy").exists()},
                  "agreement_with_kronfluence_on_returned": {
@@ -141,6 +149,7 @@ def merge(path: Path, res: dict, source: str) -> None:
              **{f"lds_{m}": res[m]["lds"][0] for m in ("trak", "bergson", "bm25") if m in res},
              **{f"lds_{m}_ci": res[m]["lds"] for m in ("trak", "bergson", "bm25") if m in res},
              "verbatim_r1_served_order": res["verbatim_r1_served_order"],
+             "opposed_share_mean": res.get("opposed_share_mean"),
              "seconds_per_query_median": res["seconds_per_query_median"],
              "split": {k: res[k] for k in ("work", "subsets", "queries", "documents", "returned")},
              "source": source, "date": res.get("date")}
