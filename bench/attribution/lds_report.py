@@ -313,6 +313,10 @@ def main(argv: list[str] | None = None) -> dict:
                 out[k] = sc[k]
         out["speedup_source"] = {"file": args.scaling, "date": sc.get("date")}
     out.pop("speedup_vs_ekfac_per_query", None)
+    # a fresh split's report written into the same file by influence_lds.py --merge-into stays
+    prev = json.loads(Path(args.out).read_text()) if Path(args.out).exists() else {}
+    if "fresh_split_influence" in prev:
+        out["fresh_split_influence"] = prev["fresh_split_influence"]
     return finish(out, "attribution/lds_report.py", argv, args.out)
 
 
