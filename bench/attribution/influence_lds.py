@@ -36,18 +36,13 @@ import numpy as np
 from scipy.stats import spearmanr
 
 from bench._common import finish, index_documents
-from bench.attribution.lds_report import against, folder_split, on_best
+from bench.attribution.lds_report import add_folder_args, against, folder_split, on_best
 from bench.attribution.run_eval import rank_of
 
 
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--work", default="runs/bench_lds_fresh")
-    ap.add_argument("--subsets", type=int, default=16, help="retrained subsets in the work folder")
-    ap.add_argument("--tune-subsets", type=int, default=16)
-    ap.add_argument("--seed", type=int, default=1, help="as given to run_eval.py (subset draws)")
-    ap.add_argument("--split", choices=("tune", "all"), default="tune",
-                    help="tune: lds_report.py's tuning split; all: every subset and LDS query of a fresh folder")
+    add_folder_args(ap)
     ap.add_argument("--k", type=int, default=64, help="documents a query returns (the served setting)")
     ap.add_argument("--served-damping", type=float, default=0.01,
                     help="the fast path's curvature damping (the served setting chosen on the tuning split)")

@@ -105,6 +105,17 @@ def splits(work: Path, queries: list[dict], n_docs: int, n_subsets: int, tune_su
             Split(masks, losses, subsets[tune_subsets:], np.sort(report_q)))
 
 
+def add_folder_args(ap) -> None:
+    """The arguments naming a ``run_eval.py`` work folder's split, as ``folder_split`` takes them."""
+    ap.add_argument("--work", default="runs/bench_lds_fresh")
+    ap.add_argument("--subsets", type=int, default=16, help="retrained subsets in the work folder")
+    ap.add_argument("--tune-subsets", type=int, default=16)
+    ap.add_argument("--seed", type=int, default=1, help="as given to run_eval.py (subset draws)")
+    ap.add_argument("--split", choices=("tune", "all"), default="tune",
+                    help="tune: lds_report.py's tuning split; all: every subset and LDS query of the folder "
+                         "(a fresh folder, looked at once)")
+
+
 def folder_split(work: Path, queries: list[dict], n_docs: int, n_subsets: int, tune_subsets: int, seed: int,
                  which: str) -> Split:
     """``tune``: the folder's tuning split (``splits``); ``all``: every subset and LDS query (verbatim facts

@@ -45,7 +45,7 @@ from pathlib import Path
 import numpy as np
 
 from bench._common import finish, index_documents
-from bench.attribution.lds_report import against, folder_split, on_best, top_only
+from bench.attribution.lds_report import add_folder_args, against, folder_split, on_best, top_only
 from bench.attribution.run_eval import rank_of
 
 PRIMARY_K = 64
@@ -107,14 +107,8 @@ def time_shortlist(work: Path, P: np.ndarray, queries: list[dict], rows: list[in
 
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--work", default="runs/bench_lds_fresh")
-    ap.add_argument("--subsets", type=int, default=16, help="retrained subsets in the work folder")
-    ap.add_argument("--tune-subsets", type=int, default=16)
-    ap.add_argument("--seed", type=int, default=1, help="as given to run_eval.py (subset draws)")
+    add_folder_args(ap)
     ap.add_argument("--prism", default="scores_prism_exact.npy", help="PRISM's scores in the work folder")
-    ap.add_argument("--split", choices=("tune", "all"), default="tune",
-                    help="tune: lds_report.py's tuning split; all: every subset and LDS query of the folder "
-                         "(a fresh folder, looked at once)")
     ap.add_argument("--ks", default="16,32,64,128,256")
     ap.add_argument("--boot", type=int, default=1000)
     ap.add_argument("--time-queries", type=int, default=0, help="time EK-FAC on the shortlist for this many queries")

@@ -138,6 +138,14 @@ class EKFAC:
                                          "layers": json.dumps(sorted(self.qa))})
         tmp.replace(path)  # whole or absent
 
+    @staticmethod
+    def stamp(path: Path) -> str:
+        """The checkpoint a stored curvature was fitted for (its header only)."""
+        from safetensors import safe_open
+
+        with safe_open(str(path), "pt") as f:
+            return (f.metadata() or {}).get("checkpoint_sha256", "")
+
     @classmethod
     def load(cls, path: Path) -> EKFAC:
         from safetensors import safe_open
@@ -263,9 +271,9 @@ def document_influence(model: PRISM, ek: EKFAC, reader, token_ids: list[int], ta
     G = query_gradient(model, token_ids, target_positions, target_ids)
     seqs, of = document_sequences(reader, docs)
     per_seq = sequence_influence(model, [ek.precondition(G, d) for d in damps], reader, seqs)
-    col = np.searchsorted(docs[np.argsort(docs)], of)
+    order = np.argsort(docs)
     per_doc = np.zeros((len(damps), len(docs)))
-    np.add.at(per_doc.T, np.argsort(docs)[col], per_seq.T)
+    np.add.at(per_doc.T, order[np.searchsorted(docs[order], of)], per_seq.T)
     return per_doc if many else per_doc[0]
 
 
@@ -302,4 +310,4 @@ def fitted_for(index_dir: str | Path) -> bool:
     if not path.exists():
         return False
     manifest = layout.read_manifest(Path(index_dir))
-    return manifest is not None and EKFAC.load(path).checkpoint_sha256 == manifest.identity["checkpoint_sha256"]
+    return manifest is not None and EKFAC.stamp(path) == manifest.identity["checkpoint_sha256"]
