@@ -51,6 +51,7 @@ from .scoring import (
     exact_scores,
     rank_documents_with_ties,
     still_open,
+    unit_keys,
 )
 from .shards import CallContext, LocalShards, ShardSet
 from .steering import MEASURES, Discovered, PrototypeMass, rank_prototypes, signature_matrix, text_mass
@@ -200,16 +201,24 @@ class Attributor:
             toks = None if m is None else np.concatenate([np.zeros(0, np.int64), *(units[i][1] for i in at)])
             return exact_scores(self.model, self.reader, q.G, pre, seqs, tokens=toks, match=match)
 
-        # adaptive: the first n_documents, then only those whose approximate score could still reach the
-        # n-th exact one within the approximation's error as seen on the re-ranked ones
+        # adaptive: the first n_documents distinct windows (a window indexed more than once, the same text
+        # in several documents, re-ranks once for all its copies), then only those whose approximate score
+        # could still reach the n-th exact one within the approximation's error as seen on the re-ranked ones
         n_units = len(units)
-        done = np.arange(min(n_units, opt.n_documents) if opt.adaptive_rerank else n_units)
+        keys = unit_keys(self.reader, units)
+
+        def with_copies(of: set[bytes]) -> np.ndarray:
+            return np.array([i for i, k in enumerate(keys) if k in of], dtype=np.int64)
+
+        done = with_copies(set(list(dict.fromkeys(keys))[: opt.n_documents])) if opt.adaptive_rerank \
+            else np.arange(n_units)
         parts = [rescore(done)]
         while len(done) < n_units:
             rest = still_open(self.reader, concat_scores(parts, self.reader.k), short, done, opt.aggregation,
                               -1.0 if opt.opponents else 1.0, opt.n_documents)
             if not len(rest):
                 break
+            rest = np.setdiff1d(with_copies({keys[i] for i in rest}), done)  # with their copies
             parts.append(rescore(rest))
             done = np.concatenate([done, rest])
         exact = concat_scores(parts, self.reader.k, None if match is None else match.n_targets)

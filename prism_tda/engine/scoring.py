@@ -17,6 +17,7 @@ A document's score aggregates its scored tokens' scores (``engine/aggregate.py``
 from __future__ import annotations
 
 import functools
+import hashlib
 import threading
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -219,13 +220,25 @@ def approx_scores(reader: IndexReader, G: torch.Tensor, pre: Preconditioner, tok
     return out
 
 
+def window_key(tokens: list[int], targets: list[int], positions: np.ndarray | None = None) -> bytes:
+    """What a sequence's exact scores depend on besides the query: its input tokens, its targets and
+    the positions scored (None: every one). Two sequences with one key score the same."""
+    h = hashlib.blake2b(digest_size=16)
+    for part in (tokens, targets, () if positions is None else positions):
+        b = np.asarray(part, dtype=np.int64).tobytes()
+        h.update(len(b).to_bytes(8, "little"))
+        h.update(b)
+    return h.digest()
+
+
 def exact_scores(model: PRISM, reader: Reads, G: torch.Tensor, pre: Preconditioner, seqs: np.ndarray, *,
                  tokens: np.ndarray | None = None, batch_size: int = 32, match: Query | None = None) -> TokenScores:
     """Scores of every token of the sequences ``seqs`` (or only of the global rows ``tokens``, which
     then name the sequences), recomputed by the model in full precision; with ``match``, also each
     token's cosine with each of that query's target tokens. Each sequence runs up to its last needed
     token, in batches of similar lengths (``tokens.length_batches``: at most ``batch_size`` full-length
-    sequences' worth of padded tokens each)."""
+    sequences' worth of padded tokens each). A window that repeats another's tokens, targets and scored
+    positions (the same text indexed twice) runs once; its copies take its scores."""
     Q = reader.curv.Q
     if tokens is not None:
         tokens = unique(tokens)
@@ -240,10 +253,15 @@ def exact_scores(model: PRISM, reader: Reads, G: torch.Tensor, pre: Precondition
         ends = np.array([int(p.max()) + 1 for p in positions], dtype=np.int64)
     else:
         ends = np.array([sp[1] - sp[0] for sp in spans], dtype=np.int64)
+    data = [reader.sequence_tokens(int(s)) for s in seqs]
+    rep_of: dict[bytes, int] = {}
+    rep = np.array([rep_of.setdefault(window_key(t, g, None if positions is None else positions[i]), i)
+                    for i, (t, g) in enumerate(data)], dtype=np.int64)
+    runs = np.flatnonzero(rep == np.arange(len(seqs)))
     parts = []
-    for at in length_batches(ends, batch_size * model.cfg.block_size):
-        at = np.sort(at)
-        toks, tgts = zip(*(reader.sequence_tokens(int(s)) for s in seqs[at]), strict=True)
+    for at in length_batches(ends[runs], batch_size * model.cfg.block_size):
+        at = runs[np.sort(at)]
+        toks, tgts = zip(*(data[i] for i in at), strict=True)
         tb = run_batch(model, list(toks), list(tgts), positions=None if positions is None else [positions[i] for i in at])
         ut = tb.u @ Q  # (n, d), rows ordered by sequence then position
         protos, acts = tb.proto_idx.numpy(), tb.acts.float().numpy()
@@ -253,7 +271,18 @@ def exact_scores(model: PRISM, reader: Reads, G: torch.Tensor, pre: Precondition
         if match is not None:
             part.match = match_cosines(protos, acts, ut, t_self, match, pre)
         parts.append(part)
-    return concat_scores(parts, reader.k, None if match is None else match.n_targets)
+    out = concat_scores(parts, reader.k, None if match is None else match.n_targets)
+    copies = np.flatnonzero(rep != np.arange(len(seqs)))
+    if not len(copies):
+        return out
+    lo = np.searchsorted(out.tok, first[rep[copies]])
+    hi = np.searchsorted(out.tok, first[rep[copies]] + ends[rep[copies]])
+    take = [np.arange(a, b) for a, b in zip(lo, hi, strict=True)]
+    at = np.concatenate(take)
+    shift = np.repeat(first[copies] - first[rep[copies]], [len(t) for t in take])
+    dup = TokenScores(out.tok[at] + shift, out.raw[at], out.cos[at], out.protos[at], out.slot_val[at], True,
+                      None if out.match is None else out.match[at])
+    return concat_scores([out, dup], reader.k, None if match is None else match.n_targets)
 
 
 def concat_scores(parts: list[TokenScores], k: int, n_targets: int | None = None, exact: bool = True) -> TokenScores:
@@ -318,6 +347,23 @@ def rank_documents(reader: Reads, scores: TokenScores, aggregation: Aggregation,
     """The ``n`` best documents as (index into ``scores.tok`` of the document's best token, document
     score), best first; with ``opponents``, the most negative."""
     return rank_documents_with_ties(reader, scores, aggregation, opponents=opponents, n=n)[0]
+
+
+def unit_keys(reader: Reads, units: list[tuple[np.ndarray, np.ndarray | None]]) -> list[bytes]:
+    """One key per re-rank unit (its sequences, and the global rows to score in them or None for every
+    row): units with one key hold the same windows scored at the same positions, so they re-rank to
+    the same scores (``window_key``)."""
+    out = []
+    for seqs, toks in units:
+        h = hashlib.blake2b(digest_size=16)
+        for s in np.asarray(seqs, np.int64):
+            pos = None
+            if toks is not None:
+                lo, hi, _ = reader.seq_span(int(s))
+                pos = toks[(toks >= lo) & (toks < hi)] - lo
+            h.update(window_key(*reader.sequence_tokens(int(s)), pos))
+        out.append(h.digest())
+    return out
 
 
 RERANK_MARGIN = 2.0  # x the largest approximation error seen among the re-ranked documents
