@@ -95,7 +95,10 @@ class IndexConfig(Config):
     faiss_spec: str = "auto"  # FAISS factory string; "auto": Flat when small, IVF-PQ when large
     code_subquantizers: int = 16  # product-quantiser sub-vectors of a token vector
     code_bits: int = 12  # bits per sub-vector code (8, 12 or 16)
-    posting_entries: int = 2  # posting-list entries per token: its prototypes carrying most of I(t, t)
+    posting_entries: int = 2  # posting-list entries per token (the prototypes it is filed under)
+    # which prototypes file a token: "both", the first half of the entries those carrying most of its
+    # I(t, t), the rest its most active others; "share", all by I(t, t); "activation", all by activation
+    posting_by: str = "both"
     posting_cells: int = 256  # cells of the token-vector direction inside each prototype's list
     seed: int = 0  # JL matrix, count-sketch hashing, k-means
     dtype: str = "auto"  # auto: bf16 autocast on CUDA, fp32 on CPU
@@ -111,12 +114,14 @@ class IndexConfig(Config):
         _check(self.code_bits in (8, 12, 16), f"index.code_bits must be 8, 12 or 16, got {self.code_bits}")
         _check(self.code_bits != 12 or self.code_subquantizers % 2 == 0,
                "index.code_subquantizers must be even with 12-bit codes (they pack in pairs)")
+        _check(self.posting_by in ("share", "activation", "both"),
+               f"index.posting_by must be share|activation|both, got {self.posting_by!r}")
         _check(self.dtype in ("auto", "fp32", "bf16"), f"index.dtype must be auto|fp32|bf16, got {self.dtype!r}")
 
 
 # Fields whose change alters rows (batch size does not; dtype does only on a GPU, and is recorded).
 IDENTITY_FIELDS = ("stride", "shard_bytes", "calibration_tokens", "damping", "damping_scope", "embed_dim",
-                   "sketch_buckets", "faiss_spec", "code_subquantizers", "code_bits", "posting_entries", "posting_cells", "seed")
+                   "sketch_buckets", "faiss_spec", "code_subquantizers", "code_bits", "posting_entries", "posting_by", "posting_cells", "seed")
 
 
 @dataclass
@@ -210,7 +215,8 @@ class IndexManifest:
                              "(delete it and run the same `prism index` command)")
         try:
             return cls(identity=d["identity"], checkpoint=d["checkpoint"], corpus=d["corpus"],
-                       config=IndexConfig.from_dict({"damping_scope": "global", **d["config"]},  # older: global
+                       config=IndexConfig.from_dict({"damping_scope": "global", "posting_by": "share",  # older ones
+                                                     **d["config"]},
                                                     where=f"{where}: config"), model=d["model"],
                        versions=d["versions"], units=[WorkUnit(**u) for u in d.get("units", [])],
                        calibration=Calibration(**d["calibration"]) if d.get("calibration") else None,

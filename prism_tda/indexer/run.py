@@ -49,6 +49,10 @@ log = logging.getLogger(__name__)
 SHARD_STATS = layout.STATS  # a shard's additive statistics, until the reduce folds them
 
 
+# identity fields an index built before them lacks, with the value such an index was built with
+OLDER_DEFAULTS = {"index.damping_scope": "global", "index.posting_by": "share"}
+
+
 class IndexMismatchError(PrismError):
     """An existing index was built from another model, tokenizer, corpus or config."""
 
@@ -144,7 +148,8 @@ class Indexer:
             return IndexManifest(identity=ident, checkpoint=str(self.ck_path), corpus=self.corpus, config=self.cfg,
                                  model=self.ck_config["model"], versions=_versions())
         must = {k: v for k, v in ident.items() if not (append and k == "corpus_fingerprint")}
-        diff = {k: (m.identity.get(k), v) for k, v in must.items() if m.identity.get(k) != v}
+        stored = OLDER_DEFAULTS | m.identity
+        diff = {k: (stored.get(k), v) for k, v in must.items() if stored.get(k) != v}
         if diff:
             raise IndexMismatchError(
                 f"{self.out / layout.MANIFEST}: this index was built with different inputs (stored, given): "
