@@ -85,3 +85,28 @@ def test_shortlist_values_are_kept_only_for_the_ranking_best_k():
     values = np.array([[1.0, 2.0, 3.0, 4.0], [5.0, 6.0, 7.0, 8.0]])
     assert on_best(values, ranking, 2).tolist() == [[1.0, 0.0, 0.0, 4.0], [0.0, 6.0, 7.0, 0.0]]
     assert overlap_at(ranking, values, 2, np.array([0, 1])) == 0.5  # {0, 3} vs {3, 2}; {1, 2} vs {3, 2}
+
+
+def test_posting_ab_measures_both_indexes_against_one_exact_pass(index, tiny_ckpt, tiny_corpus, tmp_path):
+    """bench/attribution/posting_ab.py: each index's candidate recall of the same exact top 10; with
+    every sequence a candidate, both find all of it."""
+    import json
+
+    from bench.attribution.posting_ab import main
+    from prism_tda.indexer.run import build_index
+    from tests.conftest import index_cfg
+
+    work = tmp_path / "w"
+    work.mkdir()
+    (work / "queries.json").write_text(json.dumps([
+        {"kind": "heldout", "prompt": "A computer", "completion": " is a"},
+        {"kind": "heldout", "prompt": "Love is", "completion": " a"}]))
+    build_index(tiny_ckpt, [tiny_corpus], work / "share", index_cfg(posting_by="share"), progress=False)
+    (work / "both").symlink_to(index)
+    res = main(["--case", f"t={work}:share:both", "--candidates", "100000", "--out", str(tmp_path / "ab.json")])
+    r = res["cases"]["t"]["indexes"]
+    assert set(r) == {"share", "both"} and res["cases"]["t"]["queries"] == 2
+    assert all(v["candidate_recall_of_exact_top10"] == 1.0 for v in r.values())
+    assert (work / "exact_cosine_max.npy").exists()
+    few = main(["--case", f"t={work}:share:both", "--candidates", "1", "--out", str(tmp_path / "ab1.json")])
+    assert all(0 < v["candidate_recall_of_exact_top10"] <= 1 for v in few["cases"]["t"]["indexes"].values())
