@@ -119,6 +119,9 @@ class IndexConfig(Config):
         _check(self.dtype in ("auto", "fp32", "bf16"), f"index.dtype must be auto|fp32|bf16, got {self.dtype!r}")
 
 
+# What an index built before a config field existed was built with (its manifest lacks the field)
+OLDER_CONFIG = {"damping_scope": "global", "posting_by": "share"}
+
 # Fields whose change alters rows (batch size does not; dtype does only on a GPU, and is recorded).
 IDENTITY_FIELDS = ("stride", "shard_bytes", "calibration_tokens", "damping", "damping_scope", "embed_dim",
                    "sketch_buckets", "faiss_spec", "code_subquantizers", "code_bits", "posting_entries", "posting_by", "posting_cells", "seed")
@@ -215,9 +218,8 @@ class IndexManifest:
                              "(delete it and run the same `prism index` command)")
         try:
             return cls(identity=d["identity"], checkpoint=d["checkpoint"], corpus=d["corpus"],
-                       config=IndexConfig.from_dict({"damping_scope": "global", "posting_by": "share",  # older ones
-                                                     **d["config"]},
-                                                    where=f"{where}: config"), model=d["model"],
+                       config=IndexConfig.from_dict({**OLDER_CONFIG, **d["config"]}, where=f"{where}: config"),
+                       model=d["model"],
                        versions=d["versions"], units=[WorkUnit(**u) for u in d.get("units", [])],
                        calibration=Calibration(**d["calibration"]) if d.get("calibration") else None,
                        shards=[ShardInfo(**s) for s in d.get("shards", [])], complete=bool(d.get("complete")),

@@ -49,10 +49,6 @@ log = logging.getLogger(__name__)
 SHARD_STATS = layout.STATS  # a shard's additive statistics, until the reduce folds them
 
 
-# identity fields an index built before them lacks, with the value such an index was built with
-OLDER_DEFAULTS = {"index.damping_scope": "global", "index.posting_by": "share"}
-
-
 class IndexMismatchError(PrismError):
     """An existing index was built from another model, tokenizer, corpus or config."""
 
@@ -148,7 +144,7 @@ class Indexer:
             return IndexManifest(identity=ident, checkpoint=str(self.ck_path), corpus=self.corpus, config=self.cfg,
                                  model=self.ck_config["model"], versions=_versions())
         must = {k: v for k, v in ident.items() if not (append and k == "corpus_fingerprint")}
-        stored = OLDER_DEFAULTS | m.identity
+        stored = {f"index.{k}": v for k, v in layout.OLDER_CONFIG.items()} | m.identity  # older indexes
         diff = {k: (stored.get(k), v) for k, v in must.items() if stored.get(k) != v}
         if diff:
             raise IndexMismatchError(

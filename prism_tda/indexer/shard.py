@@ -210,17 +210,12 @@ class ShardBuilder:
             total = part.sum(1)
             self_raw[rows] = total.numpy()
             share = part / total.clamp_min(1e-30)[:, None]
-            if cfg.posting_by == "activation":  # the most active prototypes, entered by their share
-                top_slot = a.topk(m, dim=1).indices
-                top_share = share.gather(1, top_slot)
-            elif cfg.posting_by == "both":  # the first half by share, the rest the most active of the others
-                h = (m + 1) // 2
-                by_share = share.topk(h, dim=1).indices
-                rest = a.masked_fill(torch.zeros_like(a, dtype=torch.bool).scatter_(1, by_share, True), -1.0)
-                top_slot = torch.cat([by_share, rest.topk(m - h, dim=1).indices], 1)
-                top_share = share.gather(1, top_slot)
-            else:
-                top_share, top_slot = share.topk(m, dim=1)  # the prototypes carrying most of I(t, t)
+            # the first h entries: the prototypes carrying most of I(t, t); the rest: the most active others
+            h = {"share": m, "both": (m + 1) // 2, "activation": 0}[cfg.posting_by]
+            by_share = share.topk(h, dim=1).indices
+            rest = a.masked_fill(torch.zeros_like(a, dtype=torch.bool).scatter_(1, by_share, True), -1.0)
+            top_slot = torch.cat([by_share, rest.topk(m - h, dim=1).indices], 1)
+            top_share = share.gather(1, top_slot)
             cell = self.calib.cell_of(utc)
             live = top_share > 0
             post_proto.append(p.gather(1, top_slot)[live].numpy())
