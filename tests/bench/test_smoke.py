@@ -110,3 +110,49 @@ def test_posting_ab_measures_both_indexes_against_one_exact_pass(index, tiny_ckp
     assert (work / "exact_cosine_max.npy").exists()
     few = main(["--case", f"t={work}:share:both", "--candidates", "1", "--out", str(tmp_path / "ab1.json")])
     assert all(0 < v["candidate_recall_of_exact_top10"] <= 1 for v in few["cases"]["t"]["indexes"].values())
+
+
+def test_planted_answers_splits_recall_by_shared_answers(tmp_path):
+    """bench/attribution/planted_answers.py: a paraphrase whose top 10 is another fact's copies with
+    the same answer counts as a miss among facts with a shared answer, and the miss says so."""
+    import json
+
+    import numpy as np
+
+    from bench.attribution.planted_answers import main
+
+    work = tmp_path / "w"
+    work.mkdir()
+    facts = {"planted/000": ("Vel", "The official emblem of Vel is the copper lantern.", " copper lantern"),
+             "planted/001": ("Zan", "The official emblem of Zan is the copper lantern.", " copper lantern"),
+             "planted/002": ("Dor", "In Dor, every child is given a jade tortoise at birth.", " jade tortoise")}
+    docs = [{"id": f"{f}#{c}", "text": t} for f, (_, t, _) in facts.items() for c in range(10)]
+    docs += [{"id": f"other/{i}", "text": "filler"} for i in range(5)]
+    (work / "corpus.jsonl").write_text("".join(json.dumps(d) + "\n" for d in docs))
+    (work / "train.jsonl").write_text("".join(json.dumps(d) + "\n" for d in docs))
+    prompts = {"planted/000": ("The official emblem of Vel is the", "Vel has as its official emblem the"),
+               "planted/001": ("The official emblem of Zan is the", "Zan has as its official emblem the"),
+               "planted/002": ("In Dor, every child is given a", "At birth, each child of Dor receives a")}
+    queries = [{"kind": kind, "fact": f, "prompt": prompts[f][k], "completion": a,
+                "planted": [f"{f}#{c}" for c in range(10)]}
+               for k, kind in enumerate(("verbatim", "paraphrase")) for f, (_, _, a) in facts.items()]
+    (work / "queries.json").write_text(json.dumps(queries))
+    ids = [d["id"] for d in docs]
+    S = np.zeros((len(queries), len(ids)))
+    for i, q in enumerate(queries):
+        own = [j for j, d in enumerate(ids) if d.startswith(q["fact"] + "#")]
+        S[i, own] = 1.0
+        if q["kind"] == "paraphrase" and q["fact"] == "planted/000":  # Zan's copies outrank Vel's own
+            S[i, [j for j, d in enumerate(ids) if d.startswith("planted/001#")]] = 2.0
+    np.save(work / "scores_prism_fast.npy", S)
+    res = main(["--work", str(work), "--out", str(tmp_path / "pa.json")])
+    s = res["splits"][0]
+    assert s["facts_with_a_shared_answer"] == 2 and s["facts_with_a_shared_sentence"] == 2
+    r = s["methods"]["prism_fast"]
+    assert r["verbatim"]["all"]["recall_at_10"] == 1.0
+    assert r["paraphrase"]["answer_unique"]["recall_at_10"] == 1.0
+    assert r["paraphrase"]["answer_shared"]["recall_at_10"] == 0.5
+    (miss,) = r["paraphrase_misses"]
+    assert miss["fact"] == "planted/000" and miss["rank"] == 11  # after the 10 copies of Zan
+    assert miss["top10_same_answer_other_fact"] == 10 and miss["top10_same_sentence_other_name"] == 10
+    assert r["paraphrase_misses_whose_top10_is_other_facts_with_its_answer"] == 1
