@@ -156,3 +156,18 @@ def test_planted_answers_splits_recall_by_shared_answers(tmp_path):
     assert miss["fact"] == "planted/000" and miss["rank"] == 11  # after the 10 copies of Zan
     assert miss["top10_same_answer_other_fact"] == 10 and miss["top10_same_sentence_other_name"] == 10
     assert r["paraphrase_misses_whose_top10_is_other_facts_with_its_answer"] == 1
+
+
+def test_scale_rerank_as_real_replaces_the_synthetic_rerank():
+    """bench/scale.py: a synthetic size's p50 is re-estimated with the largest real size's re-rank."""
+    from bench.scale import rerank_as_real
+
+    def size(tokens, synthetic, p50, rerank):
+        return {"tokens": tokens, "synthetic": synthetic,
+                "serve": {"p50_ms": p50, "server_timings_ms_median": {"rerank": rerank}}}
+
+    res = {"sizes": [size(0, False, 9, 0), size(1_000, False, 100, 60), size(16_000, True, 60, 10)]}
+    out = rerank_as_real(res)
+    assert out["p50_ms_largest_rerank_as_real"] == 110  # 60 - 10 + 60
+    assert out["latency_growth_16x_rerank_as_real"] == 1.1  # against the real 1,000-token size
+    assert rerank_as_real({"sizes": res["sizes"][:2]}) == {}  # no synthetic size: nothing to estimate
