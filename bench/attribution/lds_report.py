@@ -183,6 +183,29 @@ def index_scope(index: Path) -> str:
     return "per_prototype" if m.config.damping_scope == "prototype" else "global"
 
 
+def guards(out: dict, args: argparse.Namespace) -> None:
+    """The keys that come from other results files, each with the file and date it came from: the
+    memorised-facts corpus, the near-ties at scale, the speed-up against EK-FAC."""
+    if Path(args.memorised).exists():
+        mem = json.loads(Path(args.memorised).read_text())
+        for k in ("canary_recall_at_10_verbatim_memorised", "candidate_recall_of_exact_top10_memorised"):
+            out[k] = mem.get(k)
+        out["memorised_corpus"] = {"file": args.memorised, "command": mem.get("command"), "date": mem.get("date")}
+    if Path(args.near_ties).exists():
+        nt = json.loads(Path(args.near_ties).read_text())
+        out["near_tie_query_share"] = nt.get("near_tie_query_share")
+        out["overlap_at_10_fast_vs_exact_scale"] = nt.get("overlap_at_10_fast_vs_exact")
+        out["near_tie_corpus"] = {"file": args.near_ties, "tokens": nt.get("tokens"), "date": nt.get("date")}
+    if Path(args.scaling).exists():
+        sc = json.loads(Path(args.scaling).read_text())
+        for k in ("speedup_vs_ekfac_single_query", "speedup_vs_ekfac_batched", "largest", "rss_growth_mb_largest",
+                  "speedup_vs_ekfac_single_query_by_documents", "speedup_vs_ekfac_batched_by_documents"):
+            if k in sc:
+                out[k] = sc[k]
+        prev = (out.get("speedup_source") or {}).get("previous")  # an earlier run kept beside it, if any
+        out["speedup_source"] = {"file": args.scaling, "date": sc.get("date"), **({"previous": prev} if prev else {})}
+
+
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--work", default="runs/bench_lds_fresh")
@@ -198,7 +221,15 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--boot", type=int, default=2000)
     ap.add_argument("--seed", type=int, default=1, help="as given to run_eval.py (subset draws)")
     ap.add_argument("--out", default="bench/results/attribution.json")
+    ap.add_argument("--guards-only", action="store_true",
+                    help="refresh only the keys taken from other results files (memorised corpus, near-ties, "
+                         "speed-up) in --out, each stamped with its source's date; the LDS keys stay as they are")
     args = ap.parse_args(argv)
+    if args.guards_only:
+        res = json.loads(Path(args.out).read_text())
+        guards(res, args)
+        Path(args.out).write_text(json.dumps(res, indent=2))
+        return res
     work = Path(args.work)
     queries = json.loads((work / "queries.json").read_text())
     n_docs = np.load(work / "scores_prism_exact.npy").shape[1]
@@ -302,27 +333,11 @@ def main(argv: list[str] | None = None) -> dict:
         ranks = [rank_of(served[i], {ext_to_doc[e] for e in q["planted"]}) for i, q in enumerate(queries)
                  if q["kind"] == kind]
         out[f"canary_recall_at_10_{kind}_served_setting"] = summarise(ranks)["recall_at_10"]
-    # the guards: planted facts (this run's fast path) and the larger memorised-facts corpus
-    if Path(args.memorised).exists():
-        mem = json.loads(Path(args.memorised).read_text())
-        for k in ("canary_recall_at_10_verbatim_memorised", "candidate_recall_of_exact_top10_memorised"):
-            out[k] = mem.get(k)
-        out["memorised_corpus"] = {"file": args.memorised, "command": mem.get("command"), "date": mem.get("date")}
-    if Path(args.near_ties).exists():
-        nt = json.loads(Path(args.near_ties).read_text())
-        out["near_tie_query_share"] = nt.get("near_tie_query_share")
-        out["near_tie_corpus"] = {"file": args.near_ties, "tokens": nt.get("tokens"), "date": nt.get("date")}
+    guards(out, args)
     out["lds_split"] = {"subsets_tune": args.tune_subsets, "subsets_report": args.subsets - args.tune_subsets,
                         "queries_tune": len(tune_q), "queries_report": len(report_q),
                         "query_kinds": ["verbatim", "heldout"], "bootstrap_draws": args.boot,
                         "interval": "95% percentile bootstrap; each draw resamples subsets and queries"}
-    if Path(args.scaling).exists():
-        sc = json.loads(Path(args.scaling).read_text())
-        for k in ("speedup_vs_ekfac_single_query", "speedup_vs_ekfac_batched", "largest", "rss_growth_mb_largest",
-                  "speedup_vs_ekfac_single_query_by_documents", "speedup_vs_ekfac_batched_by_documents"):
-            if k in sc:
-                out[k] = sc[k]
-        out["speedup_source"] = {"file": args.scaling, "date": sc.get("date")}
     out.pop("speedup_vs_ekfac_per_query", None)
     # a fresh split's report written into the same file by influence_lds.py --merge-into stays
     prev = json.loads(Path(args.out).read_text()) if Path(args.out).exists() else {}
