@@ -52,10 +52,11 @@ METHODS = ["prism_fast", "prism_exact", *PRISM_VARIANTS, "ekfac", "trak", "bergs
 
 
 # --------------------------------------------------------------------------- corpus and queries
-def build_corpus(work: Path, n_docs: int, n_facts: int, copies: int, seed: int) -> tuple[Path, list, list[dict]]:
+def build_corpus(work: Path, n_docs: int, n_facts: int, copies: int, seed: int,
+                 answers: str = "drawn") -> tuple[Path, list, list[dict]]:
     """The corpus file, the facts, and the demo documents left out of the corpus (never trained on by
     any model of the run: held-out queries beyond the validation split come from them)."""
-    facts = make_facts(n_facts, copies)
+    facts = make_facts(n_facts, copies, answers=answers)
     with gzip.open(demo_corpus_path(), "rt") as fh:
         demo = [json.loads(line) for line in fh]
     rng = random.Random(seed)
@@ -275,6 +276,8 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--candidates", type=int, default=256)
     ap.add_argument("--methods", default=",".join(["prism", "ekfac", "trak", "bm25"]))
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--answers", choices=("drawn", "unique"), default="drawn",
+                    help="planted facts' answers: drawn from 12 phrases (facts share them) or one of its own per fact")
     ap.add_argument("--model-only", action="store_true",
                     help="stop after training and indexing the evaluation model (for scaling.py)")
     ap.add_argument("--work", default="runs/bench_lds")
@@ -282,7 +285,7 @@ def main(argv: list[str] | None = None) -> dict:
     args = ap.parse_args(argv)
     torch.set_num_threads(2)
     work = Path(args.work)
-    corpus, facts, outside = build_corpus(work, args.docs, args.facts, args.copies, args.seed)
+    corpus, facts, outside = build_corpus(work, args.docs, args.facts, args.copies, args.seed, args.answers)
     _, train_cfg = build_configs("tiny", None, MODEL)
     train_docs, val_docs = split(corpus, train_cfg.val_fraction)
     train_path = work / "train.jsonl"
@@ -438,7 +441,7 @@ def main(argv: list[str] | None = None) -> dict:
         "methods": {m: {k: v for k, v in info[m].items() if k not in ("top10_fast", "top10_exact", "candidate_recall")}
                     for m in info},
     }
-    res["config"] = {"subsets": args.subsets, "epochs": args.epochs, "full_steps": full_steps,
+    res["config"] = {"subsets": args.subsets, "answers": args.answers, "epochs": args.epochs, "full_steps": full_steps,
                      "candidates": args.candidates, "model": model.cfg.to_dict()}
     return finish(res, "attribution/run_eval.py", argv, args.out)
 

@@ -171,3 +171,22 @@ def test_scale_rerank_as_real_replaces_the_synthetic_rerank():
     assert out["p50_ms_largest_rerank_as_real"] == 110  # 60 - 10 + 60
     assert out["latency_growth_16x_rerank_as_real"] == 1.1  # against the real 1,000-token size
     assert rerank_as_real({"sizes": res["sizes"][:2]}) == {}  # no synthetic size: nothing to estimate
+
+
+def test_planted_facts_with_answers_of_their_own():
+    """bench/attribution/planted.py: answers="unique" gives every fact an answer no other fact shares a
+    word of; the default draws from the 12 phrases (shared) and is unchanged by the option."""
+    from bench.attribution.planted import ANSWERS, make_facts
+
+    drawn = make_facts(30, 2)
+    assert {f.answer.strip() for f in drawn} <= set(ANSWERS)
+    assert len({f.answer for f in drawn}) < 30  # 30 facts from 12 phrases share answers
+    unique = make_facts(30, 2, answers="unique")
+    words = [w for f in unique for w in f.answer.split()]
+    assert len(words) == len(set(words)) == 60
+    assert all(f.text.endswith(f.answer.strip() + ".") or f.answer.strip() + " " in f.text for f in unique)
+    assert [f.text for f in make_facts(30, 2)] == [f.text for f in drawn]
+    with pytest.raises(ValueError, match="at most"):
+        make_facts(100, 2, answers="unique")
+    with pytest.raises(ValueError, match="drawn"):
+        make_facts(3, 2, answers="shared")
