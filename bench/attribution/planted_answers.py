@@ -97,7 +97,7 @@ def analyse(work: Path) -> dict:
                     misses.append({"fact": q["fact"], "prompt": q["prompt"], "completion": q["completion"],
                                    "rank": r, "top10_same_answer_other_fact": len(same_answer),
                                    "top10_same_sentence_other_name": len(same_sentence)})
-            res[kind] = {g: summarise(v) for g, v in groups.items()}
+            res[kind] = {g: summarise(v) if v else None for g, v in groups.items()}  # None: no such fact
         res["paraphrase_misses"] = misses
         res["paraphrase_misses_whose_top10_is_other_facts_with_its_answer"] = sum(
             m["top10_same_answer_other_fact"] == 10 for m in misses)
