@@ -1,7 +1,10 @@
 """PRISM attribution against EK-FAC (kronfluence), TRAK (traker) and BM25, with LDS, in one run.
 
 1. Corpus: invented facts (several copies each) plus demo documents, ``--docs`` in all; the
-   validation split (by document id) gives held-out queries.
+   validation split (by document id) gives held-out queries. The facts do not depend on ``--seed``
+   (the same 30 on every split: the seed draws the demo documents, the model and the subsets); their
+   answers are drawn from 12 phrases, so most facts share theirs with another fact (``--answers
+   unique`` gives each one of its own; ``planted_answers.py`` splits recall by it).
 2. Train a small PRISM model on the training split, index it.
 3. Queries: every fact's verbatim and paraphrased prompt with its answer as completion, and
    held-out documents (first tokens as prompt, the next ones as completion).
