@@ -15,8 +15,11 @@ sentence but for the name, or other documents).
     python -m bench.attribution.planted_answers --work runs/bench_lds_seed3 --work runs/bench_lds_seed4 \\
         --work runs/bench_lds_fresh      # -> bench/results/planted_answers.json
 
-Nothing is recomputed: the matrices are the ones ``run_eval.py`` wrote (its ``canary_recall_*`` keys
-come from the same ``rank_of``).
+The matrices are the ones ``run_eval.py`` wrote (its ``canary_recall_*`` keys come from the same
+``rank_of``). ``--exact cosine_max,cosine_match`` also scores the planted queries exactly with the
+work folder's index under those served aggregations (one exact pass over the corpus for all of them;
+``run_eval.py`` keeps only ``cosine_max`` among the served ones) and saves them beside the others as
+``scores_prism_exact_<aggregation>.npy`` (held-out rows left 0: not used here).
 """
 
 from __future__ import annotations
@@ -33,8 +36,28 @@ from bench._common import finish
 from bench.attribution.run_eval import rank_of, summarise
 
 METHODS = {"prism_fast": "scores_prism_fast.npy", "prism_exact": "scores_prism_exact.npy",
+           "prism_exact_cosine_max": "scores_prism_exact_cosine_max.npy",
+           "prism_exact_cosine_match": "scores_prism_exact_cosine_match.npy",
            "ekfac": "scores_ekfac.npy", "bm25": "scores_bm25.npy", "trak": "scores_trak.npy",
            "bergson": "scores_bergson.npy"}
+
+
+def exact_planted(work: Path, aggregations: list[str]) -> None:
+    """Each planted query's exact document scores under ``aggregations``, from the work folder's index
+    (columns: its document ids, the order of ``train.jsonl``), saved as ``scores_prism_exact_<agg>.npy``."""
+    from prism_tda.engine import Attributor, QuerySpec
+    from prism_tda.engine.exact import exhaustive
+
+    queries = json.loads((work / "queries.json").read_text())
+    att = Attributor.open(work / "index")
+    rows = [i for i, q in enumerate(queries) if q["kind"] in ("verbatim", "paraphrase")]
+    enc = [att.encode(QuerySpec(queries[i]["prompt"], queries[i]["completion"])) for i in rows]
+    totals = exhaustive(att.model, att.reader, enc, att.preconditioner(None), match="cosine_match" in aggregations)
+    for agg in aggregations:
+        S = np.zeros((len(queries), att.reader.n_docs))
+        for i, t in zip(rows, totals, strict=True):
+            S[i] = t.scores(1.0)[agg]
+        np.save(work / f"scores_prism_exact_{agg}.npy", S)
 
 
 def fact_of(doc_id: str) -> str | None:
@@ -109,7 +132,12 @@ def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--work", action="append", required=True, help="a run_eval.py work folder (repeatable)")
     ap.add_argument("--out", default="bench/results/planted_answers.json")
+    ap.add_argument("--exact", default="", help="served aggregations to score the planted queries exactly with "
+                                                "each folder's index first, comma-separated (e.g. cosine_max,cosine_match)")
     args = ap.parse_args(argv)
+    if args.exact:
+        for w in args.work:
+            exact_planted(Path(w), args.exact.split(","))
     res = {"splits": [analyse(Path(w)) for w in args.work]}
     return finish(res, "attribution/planted_answers.py", argv, args.out, hide=("splits",))
 

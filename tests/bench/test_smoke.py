@@ -190,3 +190,29 @@ def test_planted_facts_with_answers_of_their_own():
         make_facts(100, 2, answers="unique")
     with pytest.raises(ValueError, match="drawn"):
         make_facts(3, 2, answers="shared")
+
+
+def test_planted_answers_exact_scores_match_the_engine(index, tmp_path):
+    """bench/attribution/planted_answers.py --exact: each planted query's row is the engine's exact
+    document scores under that aggregation (columns: the index's documents), held-out rows 0."""
+    import json
+
+    import numpy as np
+
+    from bench.attribution.planted_answers import exact_planted
+    from prism_tda.engine import Attributor, QuerySpec
+
+    work = tmp_path / "w"
+    work.mkdir()
+    (work / "index").symlink_to(index)
+    queries = [{"kind": "verbatim", "fact": "f0", "prompt": "A computer", "completion": " is a", "planted": []},
+               {"kind": "heldout", "prompt": "Love is", "completion": " a"}]
+    (work / "queries.json").write_text(json.dumps(queries))
+    exact_planted(work, ["cosine_max", "cosine_match"])
+    att = Attributor.open(index)
+    want = att.document_scores(att.encode(QuerySpec("A computer", " is a")), "exact", match=True)
+    for agg in ("cosine_max", "cosine_match"):
+        S = np.load(work / f"scores_prism_exact_{agg}.npy")
+        assert S.shape == (2, att.reader.n_docs) and not S[1].any()
+        np.testing.assert_allclose(S[0], want[agg], rtol=1e-6, atol=1e-9)
+        assert S[0].max() > 0
