@@ -299,6 +299,11 @@ def sizing_10b(res: dict, *, tokens: float = 10e9, d: int = 768, K: int = 4096, 
     }
 
 
+def sixteenth_of(sizes: list[dict], big: dict) -> dict:
+    """The size closest to 1/16 of ``big``'s tokens (for the 16x latency growth)."""
+    return min(sizes, key=lambda s: abs(np.log(s["tokens"] * 16 / big["tokens"])))
+
+
 def rerank_as_real(res: dict) -> dict:
     """Synthetic sizes repeat the real corpus, so each shortlisted window has copies and the re-rank
     runs every distinct window once (``engine/scoring.py``): their re-rank stage costs a fraction of
@@ -315,7 +320,7 @@ def rerank_as_real(res: dict) -> dict:
         return s["serve"]["p50_ms"] - (t.get("rerank", 0.0) - rr if s["synthetic"] else 0.0)
 
     big = sizes[-1]
-    small = min(sizes, key=lambda s: abs(np.log(s["tokens"] * 16 / big["tokens"])))
+    small = sixteenth_of(sizes, big)
     return {"p50_ms_largest_rerank_as_real": round(p50(big), 1),
             "latency_growth_16x_rerank_as_real": round(p50(big) / p50(small), 2) if small is not big else None,
             "rerank_ms_median_largest": big["serve"]["server_timings_ms_median"].get("rerank"),
@@ -416,7 +421,7 @@ def main(argv: list[str] | None = None) -> dict:
     by_tokens = {s["tokens"]: s for s in sizes if s["tokens"]}
 
     def p50_growth(big: dict) -> float | None:
-        small = min(by_tokens.values(), key=lambda s: abs(np.log(s["tokens"] * 16 / big["tokens"])))
+        small = sixteenth_of(list(by_tokens.values()), big)
         return round(big["serve"]["p50_ms"] / small["serve"]["p50_ms"], 2) if small is not big else None
 
     build: dict = {}

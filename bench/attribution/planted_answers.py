@@ -46,17 +46,16 @@ def exact_planted(work: Path, aggregations: list[str]) -> None:
     """Each planted query's exact document scores under ``aggregations``, from the work folder's index
     (columns: its document ids, the order of ``train.jsonl``), saved as ``scores_prism_exact_<agg>.npy``."""
     from prism_tda.engine import Attributor, QuerySpec
-    from prism_tda.engine.exact import exhaustive
 
     queries = json.loads((work / "queries.json").read_text())
     att = Attributor.open(work / "index")
     rows = [i for i, q in enumerate(queries) if q["kind"] in ("verbatim", "paraphrase")]
     enc = [att.encode(QuerySpec(queries[i]["prompt"], queries[i]["completion"])) for i in rows]
-    totals = exhaustive(att.model, att.reader, enc, att.preconditioner(None), match="cosine_match" in aggregations)
+    scores = att.exact_document_scores(enc, match="cosine_match" in aggregations)
     for agg in aggregations:
         S = np.zeros((len(queries), att.reader.n_docs))
-        for i, t in zip(rows, totals, strict=True):
-            S[i] = t.scores(1.0)[agg]
+        for i, sc in zip(rows, scores, strict=True):
+            S[i] = sc[agg]
         np.save(work / f"scores_prism_exact_{agg}.npy", S)
 
 
