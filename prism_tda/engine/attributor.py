@@ -430,7 +430,7 @@ class Attributor:
         return unique(self.reader.doc_of_seqs(self.candidate_sequences(q, n_candidates, pre)))
 
     def document_scores(self, q: Query, mode: Mode = "exact", n_candidates: int = 256,
-                        damping: float | None = None, exact_rerank: int = 32,
+                        damping: float | None = None, exact_rerank: int | None = None,
                         match: bool = False) -> dict[Aggregation, np.ndarray]:
         """Every document's score for one encoded query under each aggregation (0 where a document has
         no scored token); what the evaluation uses. ``fast``: the shortlisted documents' exact scores,
@@ -439,7 +439,8 @@ class Attributor:
         if mode == "exact":
             self.check_exact()
             return exhaustive(self.model, self.reader, [q], pre, match=match)[0].scores(1.0)
-        opt = QueryOptions(n_candidates=n_candidates, damping=damping, exact_rerank=exact_rerank,
+        opt = QueryOptions(n_candidates=n_candidates, damping=damping,
+                           exact_rerank=QueryOptions().exact_rerank if exact_rerank is None else exact_rerank,
                            aggregation="cosine_match" if match else "cosine_max",
                            include_untrained=True)  # every document: the caller decides which count
         local = self.local_reader("document_scores")
