@@ -115,8 +115,12 @@ def planted_queries(corpus: Path, files: list[str]) -> list[dict]:
 
 
 # --------------------------------------------------------------------------- serving
+OPTIONS: dict = {}  # QueryOptions fields every fast query also sends (``--options``)
+
+
 def _body(q: dict) -> dict:
-    return {"prompt": q["prompt"], "completion": q["completion"], "top_k": 10, "mode": "fast", "include_untrained": True}
+    return {"prompt": q["prompt"], "completion": q["completion"], "top_k": 10, "mode": "fast", "include_untrained": True,
+            **OPTIONS}
 
 
 def concurrent_latency(url: str, queries: list[dict], n_requests: int, clients: int) -> dict:
@@ -173,7 +177,7 @@ def overlap_fast_exact(index: Path, queries: list[dict], k: int = 10) -> dict:
     specs = [QuerySpec(q["prompt"], q["completion"]) for q in queries]
     encoded = [att.encode(s) for s in specs]
     t0 = time.perf_counter()
-    fast = [[d.doc_id for d in att.attribute(s, QueryOptions(n_documents=k, include_untrained=True)).documents]
+    fast = [[d.doc_id for d in att.attribute(s, QueryOptions(n_documents=k, include_untrained=True, **OPTIONS)).documents]
             for s in specs]
     fast_s = time.perf_counter() - t0
     t0 = time.perf_counter()
@@ -345,12 +349,15 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--overlap-shards", type=int, default=0,
                     help="measure fast vs exact on the first N shards (0: every real shard)")
     ap.add_argument("--overlap-queries", type=int, default=24, help="held-out queries (plus planted facts)")
+    ap.add_argument("--options", type=json.loads, default={},
+                    help='QueryOptions fields every fast query also sends, e.g. \'{"exact_rerank": 32}\'')
     ap.add_argument("--out", default="bench/results/scale.json")
     ap.add_argument("--plot", default="docs/img/scale.png")
     ap.add_argument("--plot-only", action="store_true", help="redraw the plot from --out and stop")
     ap.add_argument("--overlap-only", action="store_true",
                     help="measure fast vs exact again and update that part of --out (the sizes are kept)")
     args = ap.parse_args(argv)
+    OPTIONS.update(args.options)
     if args.plot_only:
         res = json.loads(Path(args.out).read_text())
         plot(res, Path(args.plot))
