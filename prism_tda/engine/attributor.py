@@ -434,7 +434,7 @@ class Attributor:
                         match: bool = False) -> dict[Aggregation, np.ndarray]:
         """Every document's score for one encoded query under each aggregation (0 where a document has
         no scored token); what the evaluation uses. ``fast``: the shortlisted documents' exact scores,
-        the other candidates' approximate ones."""
+        the other candidates' approximate ones (``exact_rerank``: None, the served default)."""
         pre = self.preconditioner(damping)
         if mode == "exact":
             self.check_exact()
