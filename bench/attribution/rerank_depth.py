@@ -19,6 +19,10 @@ Protocol, fixed before the queries were drawn:
   (``Attributor.exact_document_scores``), saved to ``--arrays`` and reused when its queries match.
 - Choice, on the tuning split only: the smallest setting whose strict overlap@10 is >= 0.9; if none
   is, the one with the highest (ties: the smaller).
+- With ``--margins``, then the adaptive rule's margin (``engine.scoring.RERANK_MARGIN``: how far
+  below the n-th exact score, in multiples of the largest approximation error seen, a shortlisted
+  document may be and still be re-scored) at the chosen depth, on the tuning split: the smallest
+  whose strict and tie-aware agreement both equal the current margin's.
 - Report: the chosen setting and ``--baseline`` (the served default when this was first run) on the
   report split, with 95% bootstrap intervals over queries (paired for the difference), seconds per
   query and documents re-ranked.
@@ -38,6 +42,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+import prism_tda.engine.scoring as scoring
 from bench._common import finish
 from bench.scale import held_out_queries
 from prism_tda.engine import Attributor, QueryOptions, QuerySpec
@@ -126,6 +131,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--report", type=int, default=24)
     ap.add_argument("--depths", default="32,64,128,256", help="exact_rerank settings to measure on the tuning split")
     ap.add_argument("--baseline", type=int, default=32, help="the setting the chosen one is compared with")
+    ap.add_argument("--margins", default="", help="adaptive margins to measure at the chosen depth (e.g. 2,1,0.5)")
     ap.add_argument("--arrays", help="the exact scores (.npz), saved and reused")
     ap.add_argument("--out", default="bench/results/rerank_depth.json")
     args = ap.parse_args(argv)
@@ -152,11 +158,29 @@ def main(argv: list[str] | None = None) -> dict:
         report[d] = {**summary(m), "overlap_at_10_ci": ci(np.array(m["strict"]), rng),
                      "tie_aware_at_10_ci": ci(np.array(m["tie_aware"]), rng)}
     diff = np.array(rep[chosen]["strict"]) - np.array(rep[base]["strict"])
+    margins: dict = {}
+    if args.margins:
+        current = scoring.RERANK_MARGIN
+        ms = sorted({float(m) for m in args.margins.split(",")} | {current})
+        try:
+            tune_m = {}
+            for m in ms:
+                scoring.RERANK_MARGIN = m
+                tune_m[m] = summary(agreement(att, tq, te, row_of, chosen))
+            same = [m for m in ms if all(tune_m[m][k] == tune_m[current][k] for k in ("overlap_at_10", "tie_aware_at_10"))]
+            pick = min(same)
+            report_m = {}
+            for m in sorted({current, pick}):
+                scoring.RERANK_MARGIN = m
+                report_m[m] = summary(agreement(att, rq, re_, row_of, chosen))
+        finally:
+            scoring.RERANK_MARGIN = current
+        margins = {"depth": chosen, "current": current, "tune": tune_m, "chosen": pick, "report": report_m}
     res = {"index": str(args.index), "tokens": att.reader.n_tokens, "documents": att.reader.n_docs,
            "queries": {"tune": [q["id"] for q in tq], "report": [q["id"] for q in rq]},
            "exact_pass_seconds": round(exact_s, 1), "baseline": base, "served_default": QueryOptions().exact_rerank,
            "tune": tune, "chosen": chosen,
-           "report": report, "overlap_diff_chosen_baseline_ci": ci(diff, rng),
+           "report": report, "overlap_diff_chosen_baseline_ci": ci(diff, rng), **({"margins": margins} if margins else {}),
            "overlap_at_10_fast_vs_exact": report[chosen]["overlap_at_10"]}
     return finish(res, "attribution/rerank_depth.py", argv, args.out)
 
