@@ -44,6 +44,7 @@ import torch
 
 import prism_tda.engine.scoring as scoring
 from bench._common import finish
+from bench.attribution.lds_paired import interval
 from bench.scale import held_out_queries
 from prism_tda.engine import Attributor, QueryOptions, QuerySpec
 from prism_tda.engine.reads import document_table
@@ -99,9 +100,7 @@ def agreement(att: Attributor, queries: list[dict], exact: np.ndarray, row_of: d
 
 def ci(v: np.ndarray, rng: np.random.Generator, draws: int = 2000) -> list[float]:
     """Mean and 95% percentile bootstrap interval over queries."""
-    idx = rng.integers(0, len(v), size=(draws, len(v)))
-    boot = v[idx].mean(1)
-    return [round(float(v.mean()), 3), round(float(np.percentile(boot, 2.5)), 3), round(float(np.percentile(boot, 97.5)), 3)]
+    return interval(v, rng.integers(0, len(v), size=(draws, len(v))))
 
 
 def summary(m: dict) -> dict:

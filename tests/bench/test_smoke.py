@@ -216,3 +216,28 @@ def test_planted_answers_exact_scores_match_the_engine(index, tmp_path):
         assert S.shape == (2, att.reader.n_docs) and not S[1].any()
         np.testing.assert_allclose(S[0], want[agg], rtol=1e-6, atol=1e-9)
         assert S[0].max() > 0
+
+
+def test_rerank_depth_chooses_by_its_rule_and_reuses_the_exact_pass(index, tiny_corpus, tmp_path, monkeypatch):
+    """bench/attribution/rerank_depth.py on the tiny index: every depth and margin measured on the
+    tuning queries, the report on the others, the exact pass saved once and read back. Its 48-token
+    prompts do not fit the tiny model's context, so the queries are short ones."""
+    import bench.attribution.rerank_depth as rd
+    from bench.attribution.rerank_depth import choose, main
+
+    short = [("A computer", " is a"), ("Love is", " a"), ("The only way to", " be"), ("Never trust a", " man")]
+    monkeypatch.setattr(rd, "draw", lambda *a: [{"prompt": p, "completion": c, "id": str(i)}
+                                                for i, (p, c) in enumerate(short)])
+
+    assert choose({32: {"overlap_at_10": 0.8}, 64: {"overlap_at_10": 0.9}, 128: {"overlap_at_10": 0.95}}) == 64
+    assert choose({32: {"overlap_at_10": 0.8}, 64: {"overlap_at_10": 0.85}, 128: {"overlap_at_10": 0.85}}) == 64
+    args = ["--index", str(index), "--heldout", str(tiny_corpus), "--exclude-seed", "-1", "--tune", "2",
+            "--report", "2", "--depths", "4,16", "--baseline", "4", "--margins", "2,1",
+            "--arrays", str(tmp_path / "x.npz"), "--out", str(tmp_path / "r.json")]
+    res = main(args)
+    assert set(res["tune"]) == {4, 16} and res["chosen"] in (4, 16) and set(res["report"]) >= {4, res["chosen"]}
+    assert all(0 <= v["overlap_at_10"] <= 1 and 0 <= v["tie_aware_at_10"] <= 1 for v in res["tune"].values())
+    assert set(res["margins"]["tune"]) == {1.0, 2.0} and res["margins"]["chosen"] in (1.0, 2.0)
+    assert len(res["queries"]["tune"]) == len(res["queries"]["report"]) == 2
+    again = main(args)
+    assert again["exact_pass_seconds"] == res["exact_pass_seconds"]
