@@ -52,9 +52,9 @@ from prism_tda.engine.reads import document_table
 TIE = 1e-3  # the near-tie band: 0.1% of the exact 10th-best score
 
 
-def draw(heldout: Path, tok: Path, n: int, seed: int, exclude_seed: int | None, n_exclude: int) -> list[dict]:
-    """``n`` held-out queries of the draw ``seed``, none of them in the draw ``exclude_seed``."""
-    gone = set() if exclude_seed is None else {q["id"] for q in held_out_queries(heldout, tok, n_exclude, exclude_seed)}
+def draw(heldout: Path, tok: Path, n: int, seed: int, exclude: list[tuple[int, int]]) -> list[dict]:
+    """``n`` held-out queries of the draw ``seed``, none of them in the draws ``exclude`` ((seed, size) each)."""
+    gone = {q["id"] for s, k in exclude for q in held_out_queries(heldout, tok, k, s)}
     qs = [q for q in held_out_queries(heldout, tok, n + len(gone), seed) if q["id"] not in gone]
     if len(qs) < n:
         raise SystemExit(f"{heldout}: only {len(qs)} held-out queries of >= 64 tokens, {n} asked")
@@ -63,12 +63,13 @@ def draw(heldout: Path, tok: Path, n: int, seed: int, exclude_seed: int | None, 
 
 def exact_scores(att: Attributor, queries: list[dict], arrays: Path | None) -> tuple[np.ndarray, float]:
     """(queries, documents) exact ``cosine_max`` and the seconds its pass took, from ``arrays`` when it
-    holds these queries."""
+    holds these queries (as its first ones)."""
     ids = [q["id"] for q in queries]
     if arrays is not None and arrays.is_file():
         a = np.load(arrays)
-        if json.loads(str(a["ids"])) == ids:
-            return a["cosine_max"], float(a["seconds"]) if "seconds" in a else float("nan")
+        have = json.loads(str(a["ids"]))
+        if have[: len(ids)] == ids:
+            return a["cosine_max"][: len(ids)], float(a["seconds"]) if "seconds" in a else float("nan")
     encoded = [att.encode(QuerySpec(q["prompt"], q["completion"])) for q in queries]
     t0 = time.perf_counter()
     scores = np.stack([s["cosine_max"] for s in att.exact_document_scores(encoded, progress=True)])
@@ -138,7 +139,7 @@ def main(argv: list[str] | None = None) -> dict:
     att = Attributor.open(args.index)
     tok = Path(att.manifest.checkpoint) / "tokenizer.json"
     queries = draw(Path(args.heldout), tok, args.tune + args.report, args.seed,
-                   None if args.exclude_seed < 0 else args.exclude_seed, args.exclude_n)
+                   [] if args.exclude_seed < 0 else [(args.exclude_seed, args.exclude_n)])
     ext = document_table(Path(args.index), ["external_id"]).column("external_id").to_pylist()
     row_of = {str(e): i for i, e in enumerate(ext)}
     exact, exact_s = exact_scores(att, queries, Path(args.arrays) if args.arrays else None)

@@ -50,7 +50,7 @@ from .scoring import (
     document_scores,
     exact_scores,
     rank_documents_with_ties,
-    still_open,
+    reach,
     unit_keys,
 )
 from .shards import CallContext, LocalShards, ShardSet
@@ -186,6 +186,10 @@ class Attributor:
         # match can sit in any window of the document)
         units = [(short.match_seqs[i] if match is not None else short.best_seq[i : i + 1],
                   None if m is None else short.tokens[i]) for i in range(len(short.doc))]
+        # and each document's best rows in its other candidate sequences (its exact best token can sit
+        # in any of them), re-scored only where they could still reach the top
+        more = list(short.more) or [np.zeros(0, np.int64) for _ in units]
+        more_score = list(short.more_score) or [np.zeros(0) for _ in units]
         self.reader.prefetch(unique(np.concatenate([np.zeros(0, np.int64), *(u[0] for u in units)])), ctx)
         if ctx is not None and ctx.missing:  # a partial answer: what the missing shards hold is left out
             gone = np.array(sorted(ctx.missing), dtype=np.int64)
@@ -195,16 +199,35 @@ class Attributor:
 
             units = [(held(sq, self.reader.seq_base), None if tk is None else held(tk, self.reader.tok_base))
                      for sq, tk in units]
+            kept = [~np.isin(np.searchsorted(self.reader.tok_base, r, side="right") - 1, gone) for r in more]
+            more, more_score = [r[k] for r, k in zip(more, kept, strict=True)], \
+                [v[k] for v, k in zip(more_score, kept, strict=True)]
 
         def rescore(at: np.ndarray) -> TokenScores:
             seqs = np.concatenate([np.zeros(0, np.int64), *(units[i][0] for i in at)])
             toks = None if m is None else np.concatenate([np.zeros(0, np.int64), *(units[i][1] for i in at)])
             return exact_scores(self.model, self.reader, q.G, pre, seqs, tokens=toks, match=match)
 
+        n_units, sign = len(units), -1.0 if opt.opponents else 1.0
+        open_rows = [np.ones(len(r), dtype=bool) for r in more]  # rows elsewhere not re-scored yet
+
+        def refine(bar: float) -> TokenScores | None:
+            """Re-score the rows elsewhere of the re-scored documents that reach ``bar``."""
+            take = []
+            for i in done:
+                hit = open_rows[i] & (sign * more_score[i] >= bar)
+                if hit.any():
+                    take.append(more[i][hit])
+                    open_rows[i] &= ~hit
+            if not take:
+                return None
+            return exact_scores(self.model, self.reader, q.G, pre, np.zeros(0, np.int64), tokens=np.concatenate(take),
+                                match=match)
+
         # adaptive: the first n_documents distinct windows (a window indexed more than once, the same text
         # in several documents, re-ranks once for all its copies), then only those whose approximate score
-        # could still reach the n-th exact one within the approximation's error as seen on the re-ranked ones
-        n_units = len(units)
+        # (of the document, or of its rows elsewhere) could still reach the n-th exact one within the
+        # approximation's error as seen on the re-ranked ones
         keys = unit_keys(self.reader, units)
 
         def with_copies(of: set[bytes]) -> np.ndarray:
@@ -213,14 +236,20 @@ class Attributor:
         done = with_copies(set(list(dict.fromkeys(keys))[: opt.n_documents])) if opt.adaptive_rerank \
             else np.arange(n_units)
         parts = [rescore(done)]
-        while len(done) < n_units:
-            rest = still_open(self.reader, concat_scores(parts, self.reader.k), short, done, opt.aggregation,
-                              -1.0 if opt.opponents else 1.0, opt.n_documents)
-            if not len(rest):
+        while True:
+            bar = reach(self.reader, concat_scores(parts, self.reader.k), short, done, opt.aggregation, sign,
+                        opt.n_documents) if opt.adaptive_rerank else -np.inf
+            rest = np.setdiff1d(np.arange(n_units), done)
+            rest = rest[sign * short.score[rest] >= bar]
+            if len(rest):
+                rest = np.setdiff1d(with_copies({keys[i] for i in rest}), done)  # with their copies
+                parts.append(rescore(rest))
+                done = np.concatenate([done, rest])
+                continue
+            elsewhere = refine(bar)  # once no other document can reach the top
+            if elsewhere is None:
                 break
-            rest = np.setdiff1d(with_copies({keys[i] for i in rest}), done)  # with their copies
-            parts.append(rescore(rest))
-            done = np.concatenate([done, rest])
+            parts.append(elsewhere)
         exact = concat_scores(parts, self.reader.k, None if match is None else match.n_targets)
         ranked, ties = rank_documents_with_ties(self.reader, exact, opt.aggregation, opponents=opt.opponents,
                                                 n=opt.n_documents)

@@ -371,23 +371,21 @@ def unit_keys(reader: Reads, units: list[tuple[np.ndarray, np.ndarray | None]]) 
 RERANK_MARGIN = 1.0
 
 
-def still_open(reader: Reads, exact: TokenScores, short: Shortlist, done: np.ndarray, aggregation: Aggregation,
-               sign: float, n: int) -> np.ndarray:
-    """Positions in ``short`` (the shortlist, best first by approximate score) not in ``done`` whose
-    approximate score comes within ``RERANK_MARGIN`` x the largest |exact - approximate| document score
-    seen among ``done`` (re-scored into ``exact``) of the ``n``-th best exact score: the documents that
-    could still enter the top ``n``. Every remaining one while fewer than ``n`` are scored exactly."""
-    rest = np.setdiff1d(np.arange(len(short.doc)), done)
+def reach(reader: Reads, exact: TokenScores, short: Shortlist, done: np.ndarray, aggregation: Aggregation,
+          sign: float, n: int) -> float:
+    """The ``sign`` x approximate score a document of ``short`` (the shortlist, best first by approximate
+    score) must reach to possibly enter the top ``n``: the ``n``-th best exact score among ``done`` (the
+    positions re-scored into ``exact``) less ``RERANK_MARGIN`` x the largest |exact - approximate|
+    document score seen among them; -inf while fewer than ``n`` of them have an exact score."""
     tot = document_totals(reader, exact, sign)
     has = tot.best_token(aggregation) >= 0
     exact_of = dict(zip(tot.docs[has].tolist(), (sign * tot.scores(sign)[aggregation][has]).tolist(), strict=True))
     ex = np.array([exact_of.get(int(d), np.nan) for d in short.doc[done]])
     ok = ~np.isnan(ex)
     if ok.sum() < n:
-        return rest
+        return -np.inf
     nth = np.sort(ex[ok])[::-1][n - 1]
-    margin = RERANK_MARGIN * float(np.abs(ex[ok] - sign * short.score[done][ok]).max())
-    return rest[sign * short.score[rest] >= nth - margin]
+    return float(nth - RERANK_MARGIN * float(np.abs(ex[ok] - sign * short.score[done][ok]).max()))
 
 
 def not_removed(reader: Reads, seqs: np.ndarray) -> np.ndarray:

@@ -36,6 +36,12 @@ from .scoring import Preconditioner, TokenScores, approx_scores, not_removed, ra
 from .steering import PrototypeMass, mass_of_tokens, token_weights
 from .types import Aggregation
 
+# a shortlisted document's best rows in its other candidate sequences are re-scored where they could
+# still reach the top (bench/attribution/rows_elsewhere.py measures the agreement with exact with and
+# without them)
+ROWS_ELSEWHERE = True
+MORE_ROWS = 4096  # with every row of the best sequence re-scored (exact_tokens None): rows elsewhere, at most
+
 
 @dataclass
 class Shortlist:
@@ -49,6 +55,10 @@ class Shortlist:
     tokens: list[np.ndarray]  # per document: its best sequence's rows to re-score (empty: all of them)
     match_seqs: list[np.ndarray]  # per document: every candidate sequence of it (cosine_match), else empty
     n_scored: int = 0  # tokens scored approximately
+    # per document: its best rows in its other candidate sequences (its best token by exact score can sit
+    # there), re-scored when their best approximate score could still reach the top; and that score
+    more: list[np.ndarray] = field(default_factory=list)
+    more_score: list[np.ndarray] = field(default_factory=list)  # per document: each of those rows' score
 
     def order_key(self, sign: float) -> tuple[np.ndarray, ...]:
         """The keys of ``np.lexsort`` that rank these documents best first."""
@@ -63,10 +73,11 @@ def merge_shortlists(parts: list[Shortlist], n: int, sign: float) -> Shortlist:
         return Shortlist(np.zeros(0, np.int64), np.zeros(0), np.zeros(0), np.zeros(0, np.int64), [], [], n_scored)
     cat = Shortlist(np.concatenate([p.doc for p in parts]), np.concatenate([p.score for p in parts]),
                     np.concatenate([p.tie for p in parts]), np.concatenate([p.best_seq for p in parts]),
-                    [t for p in parts for t in p.tokens], [s for p in parts for s in p.match_seqs])
+                    [t for p in parts for t in p.tokens], [s for p in parts for s in p.match_seqs], 0,
+                    [r for p in parts for r in p.more], [v for p in parts for v in p.more_score])
     top = np.lexsort(cat.order_key(sign))[:n]
     return Shortlist(cat.doc[top], cat.score[top], cat.tie[top], cat.best_seq[top], [cat.tokens[i] for i in top],
-                     [cat.match_seqs[i] for i in top], n_scored)
+                     [cat.match_seqs[i] for i in top], n_scored, [cat.more[i] for i in top], [cat.more_score[i] for i in top])
 
 
 def merge_search(parts: list[tuple[np.ndarray, np.ndarray]], n: int) -> np.ndarray:
@@ -143,6 +154,27 @@ def best_rows_per_sequence(reader: IndexReader, approx: TokenScores, seqs: np.nd
     return [np.sort(approx.tok[at[a:b]]) for a, b in zip(*bounds, strict=True)]
 
 
+def best_rows_elsewhere(reader: IndexReader, approx: TokenScores, docs: np.ndarray, best_seq: np.ndarray,
+                        m: int, sign: float, value: np.ndarray) -> tuple[list[np.ndarray], list[np.ndarray]]:
+    """For each document of ``docs`` (distinct), the rows of its ``m`` best tokens among ``approx``
+    outside its best sequence ``best_seq`` by ``sign`` x ``value`` (each row's approximate cosine or raw
+    score; equal values: the lower row), best first, and their values, in one sort."""
+    tok_seq = reader.seq_of_tokens(approx.tok)
+    tok_doc = reader.doc_of_seqs(tok_seq)
+    order = np.argsort(docs, kind="stable")
+    at = np.minimum(np.searchsorted(docs[order], tok_doc), max(len(docs) - 1, 0))
+    keep = np.nonzero((docs[order][at] == tok_doc) & (best_seq[order][at] != tok_seq))[0] if len(docs) \
+        else np.zeros(0, np.int64)
+    keep = keep[np.lexsort((approx.tok[keep], -(sign * value[keep]), tok_doc[keep]))]
+    grp = tok_doc[keep]
+    start = np.r_[0, np.nonzero(grp[1:] != grp[:-1])[0] + 1] if len(keep) else np.zeros(0, np.int64)
+    rank = np.arange(len(keep)) - np.repeat(start, np.diff(np.r_[start, len(keep)]))
+    keep, grp = keep[rank < m], grp[rank < m]
+    bounds = np.searchsorted(grp, docs, side="left"), np.searchsorted(grp, docs, side="right")
+    return ([approx.tok[keep[a:b]] for a, b in zip(*bounds, strict=True)],
+            [np.asarray(value[keep[a:b]], np.float64) for a, b in zip(*bounds, strict=True)])
+
+
 class ShardWorker:
     """The shard side of queries over the shards that one process opens."""
 
@@ -197,8 +229,9 @@ class ShardWorker:
                   include_untrained: bool) -> Shortlist:
         """The ``n`` best documents among the candidate sequences ``seqs`` (all in this worker's
         shards) by their approximate scores under ``aggregation``; for each, the rows of its best
-        sequence to re-score exactly (the ``m`` best by approximate cosine; None: all) and, with
-        ``match`` (the query's target tokens, for ``cosine_match``), every candidate sequence of it."""
+        sequence to re-score exactly (the ``m`` best by approximate cosine; None: all) and its ``m`` best
+        rows in its other candidate sequences (``Shortlist.more``), or with ``match`` (the query's
+        target tokens, for ``cosine_match``) every candidate sequence of it."""
         t0, started = time.perf_counter(), time.time()
         reader = self.reader
         seqs = unique(np.asarray(seqs, np.int64))
@@ -213,11 +246,15 @@ class ShardWorker:
         tokens = best_rows_per_sequence(reader, approx, best_seq, m, sign) if m is not None and len(best_seq) \
             else [np.zeros(0, np.int64) for _ in best_seq]
         match_seqs = [np.zeros(0, np.int64) for _ in best_seq]
+        more, more_score = [np.zeros(0, np.int64) for _ in best_seq], [np.zeros(0) for _ in best_seq]
         if match is not None and len(best_seq):
             seq_docs = reader.doc_of_seqs(seqs)
             match_seqs = [seqs[seq_docs == d] for d in docs]
+        elif len(best_seq) and aggregation.endswith("_max") and ROWS_ELSEWHERE:
+            more, more_score = best_rows_elsewhere(reader, approx, docs, best_seq, MORE_ROWS if m is None else m, sign,
+                                                   approx.cos if aggregation.startswith("cosine") else approx.raw)
         self._done("shortlist", t0, started, len(approx.tok))
-        return Shortlist(docs, score, tie, best_seq, tokens, match_seqs, len(approx.tok))
+        return Shortlist(docs, score, tie, best_seq, tokens, match_seqs, len(approx.tok), more, more_score)
 
     # ------------------------------------------------------------------------ reads
     def sequences(self, seqs: np.ndarray) -> Sequences:

@@ -86,6 +86,38 @@ def test_fast_path_reranks_exactly_and_finds_the_exact_top(att):
         assert narrow.tokens_scored < ex.tokens_scored == att.reader.n_tokens
 
 
+def test_a_documents_best_token_in_another_sequence_is_re_scored(att, monkeypatch):
+    """A document's best token by exact score can sit outside the sequence of its best approximate one:
+    the re-rank scores its best rows in its other candidate sequences too (``Shortlist.more``)."""
+    import prism_tda.engine.shards as shards
+
+    spec, r = COMPUTER, att.reader
+    q, pre = att.encode(spec), att.preconditioner()
+    every = exact_scores(att.model, r, q.G, pre, np.arange(r.n_seqs))
+    seq = r.seq_of_tokens(every.tok)
+    doc = r.doc_of_seqs(seq)
+    n_seqs = {int(d): len(np.unique(seq[doc == d])) for d in np.unique(doc)}
+    order = np.argsort(-every.cos, kind="stable")
+    # the best-scoring document that spans several sequences, and the sequence of its best token
+    best = next(int(t) for t in order if n_seqs[int(doc[t])] > 1)
+    D, S = int(doc[best]), int(seq[best])
+    real = shards.approx_scores
+
+    def demoted(reader, G, pre_, tok, match=None):  # every row of S ranks last by approximate score
+        out = real(reader, G, pre_, tok, match)
+        out.cos = np.where(reader.seq_of_tokens(out.tok) == S, out.cos - 10.0, out.cos)
+        return out
+
+    monkeypatch.setattr(shards, "approx_scores", demoted)
+    opts = dict(n_documents=10, n_candidates=100_000, exact_rerank=100_000, exact_tokens=64, adaptive_rerank=False)
+    res = att.attribute(spec, QueryOptions(**opts))
+    got = {d.doc_id: d.score for d in res.documents}
+    assert D in got and got[D] == pytest.approx(float(every.cos[best]), rel=1e-4)
+    monkeypatch.setattr(shards, "best_rows_elsewhere",  # without the rows elsewhere
+                        lambda reader, approx, docs, *a: ([np.zeros(0, np.int64)] * len(docs), [np.zeros(0)] * len(docs)))
+    assert att.attribute(spec, QueryOptions(**opts)).documents != res.documents
+
+
 def test_approximate_scores_track_the_exact_ones(att):
     q = att.encode(COMPUTER)
     pre = att.preconditioner()

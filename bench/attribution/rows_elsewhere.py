@@ -1,0 +1,88 @@
+"""Whether re-scoring a shortlisted document's best rows in its other candidate sequences brings the fast
+path's top 10 closer to exact mode's, and what it costs.
+
+The re-rank first scores each shortlisted document's best sequence (by approximate score) exactly; a
+long document's best token by exact score can sit in another of its sequences, and then its exact
+score is underestimated and a near-tied document takes its place. With ``ROWS_ELSEWHERE``
+(``engine/shards.py``), a document's ``exact_tokens`` best rows in its other candidate sequences are
+re-scored too, once no unscored document can reach the top, where their approximate scores could
+still reach the n-th exact score (the adaptive rule's bar).
+
+Protocol: held-out queries at scale as in ``rerank_depth.py`` (48-token prompts and 16-token
+continuations from documents of a file that is not indexed), a draw that leaves out every earlier
+draw (``--exclude SEED:N,...``), exact ``cosine_max`` from one pass of the model (cached in
+``--arrays``); the served defaults with and without the rows elsewhere, interleaved query by query;
+strict overlap@10 and tie-aware agreement (``rerank_depth.TIE``) with 95% bootstrap intervals over
+queries, paired for the difference; seconds per query (median and mean) and documents re-ranked.
+
+    python -m bench.attribution.rows_elsewhere --index runs/scale/prefix_0005 \\
+        --heldout runs/scale/corpus/part-006.jsonl --seed 4 --exclude 2:24,3:48 \\
+        --arrays runs/scale/rows_elsewhere.npz --out bench/results/rows_elsewhere.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from pathlib import Path
+
+import numpy as np
+import torch
+
+import prism_tda.engine.shards as shards
+from bench._common import finish
+from bench.attribution.rerank_depth import agreement, ci, draw, exact_scores
+from prism_tda.engine import Attributor, QueryOptions, QuerySpec
+from prism_tda.engine.reads import document_table
+
+
+def main(argv: list[str] | None = None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--index", required=True)
+    ap.add_argument("--heldout", required=True, help="a JSONL file of documents not indexed")
+    ap.add_argument("--seed", type=int, default=4)
+    ap.add_argument("--exclude", default="2:24,3:48", help="earlier draws to leave out, SEED:N each")
+    ap.add_argument("--queries", type=int, default=48)
+    ap.add_argument("--arrays", help="the exact scores (.npz), saved and reused")
+    ap.add_argument("--out", default="bench/results/rows_elsewhere.json")
+    args = ap.parse_args(argv)
+    torch.set_num_threads(os.cpu_count() or 1)
+    att = Attributor.open(args.index)
+    tok = Path(att.manifest.checkpoint) / "tokenizer.json"
+    exclude = [(int(a), int(b)) for a, b in (p.split(":") for p in args.exclude.split(",") if p)]
+    queries = draw(Path(args.heldout), tok, args.queries, args.seed, exclude)
+    ext = document_table(Path(args.index), ["external_id"]).column("external_id").to_pylist()
+    row_of = {str(e): i for i, e in enumerate(ext)}
+    exact, exact_s = exact_scores(att, queries, Path(args.arrays) if args.arrays else None)
+    depth = QueryOptions().exact_rerank
+    for q in queries[:2]:  # warm up
+        att.attribute(QuerySpec(q["prompt"], q["completion"]))
+    arms: dict[str, dict[str, list]] = {"with": {}, "without": {}}
+    try:
+        for i, q in enumerate(queries):  # interleaved: one machine state for both arms
+            for arm in ("without", "with") if i % 2 else ("with", "without"):
+                shards.ROWS_ELSEWHERE = arm == "with"
+                m = agreement(att, [q], exact[i : i + 1], row_of, depth)
+                for k, v in m.items():
+                    arms[arm].setdefault(k, []).extend(v)
+    finally:
+        shards.ROWS_ELSEWHERE = True
+    rng = np.random.default_rng(0)
+    out = {}
+    for arm, m in arms.items():
+        out[arm] = {"overlap_at_10": ci(np.array(m["strict"]), rng), "tie_aware_at_10": ci(np.array(m["tie_aware"]), rng),
+                    "seconds_median": round(float(np.median(m["seconds"])), 3),
+                    "seconds_mean": round(float(np.mean(m["seconds"])), 3),
+                    "documents_reranked_mean": round(float(np.mean(m["reranked"])), 2),
+                    "per_query_overlap": [round(x, 2) for x in m["strict"]]}
+    diff = np.array(arms["with"]["strict"]) - np.array(arms["without"]["strict"])
+    res = {"index": str(args.index), "tokens": att.reader.n_tokens, "documents": att.reader.n_docs,
+           "queries": [q["id"] for q in queries], "seed": args.seed, "exclude": args.exclude,
+           "exact_pass_seconds": round(exact_s, 1), "exact_rerank": depth, "arms": out,
+           "overlap_diff_with_without_ci": ci(diff, rng),
+           "overlap_at_10_fast_vs_exact": out["with"]["overlap_at_10"][0]}
+    return finish(res, "attribution/rows_elsewhere.py", argv, args.out)
+
+
+if __name__ == "__main__":
+    main()
