@@ -74,7 +74,9 @@ class QueryOptions:
     seen on the re-ranked ones); false: re-rank all exact_rerank."""
     exact_tokens: Annotated[int | None, Field(ge=1, le=4096)] = 16
     """Fast path, best-token aggregations: tokens of each re-ranked sequence re-scored exactly, the best
-    by their approximate scores first; null: every token (sum aggregations always take every token)."""
+    by their approximate scores first; null: every token (sum aggregations always take every token).
+    As many of the document's best tokens in its other candidate sequences are re-scored too where their
+    approximate scores could still reach the top (null: all of them)."""
     nprobe: Annotated[int | None, Field(ge=1, le=65_536)] = None
     """FAISS lists searched (IVF indexes; default: the index's, in its manifest)."""
     include_untrained: bool = False
