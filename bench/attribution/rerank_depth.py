@@ -81,16 +81,17 @@ def exact_scores(att: Attributor, queries: list[dict], arrays: Path | None) -> t
 
 
 def agreement(att: Attributor, queries: list[dict], exact: np.ndarray, row_of: dict[str, int], depth: int,
-              n: int = 10) -> dict:
-    """The fast path at ``exact_rerank=depth`` (else as served, every document allowed) against exact:
-    per query strict overlap@n, tie-aware agreement, seconds and documents re-ranked."""
+              n: int = 10, **options: object) -> dict:
+    """The fast path at ``exact_rerank=depth`` (else as served or as ``options``, every document allowed)
+    against exact: per query strict overlap@n, tie-aware agreement, seconds and documents re-ranked."""
     strict, tied, secs, reranked = [], [], [], []
     for q, s in zip(queries, exact, strict=True):
         top = [d for d in np.argsort(-s, kind="stable")[:n] if s[d] > 0]
         kth = float(s[top[-1]]) if top else 0.0
         t0 = time.perf_counter()
         res = att.attribute(QuerySpec(q["prompt"], q["completion"]),
-                            QueryOptions(n_documents=n, include_untrained=True, exact_rerank=depth))
+                            QueryOptions(**{"n_documents": n, "include_untrained": True, "exact_rerank": depth,
+                                            **options}))
         secs.append(time.perf_counter() - t0)
         reranked.append(res.documents_reranked)
         got = [row_of[d.external_id] for d in res.documents]

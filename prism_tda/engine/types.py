@@ -72,7 +72,7 @@ class QueryOptions:
     """Fast path: re-rank the first n_documents of the shortlist, then only the shortlisted documents whose
     approximate score could still reach the n-th exact score (within the largest approximation error
     seen on the re-ranked ones); false: re-rank all exact_rerank."""
-    exact_tokens: Annotated[int | None, Field(ge=1, le=4096)] = 16
+    exact_tokens: Annotated[int | None, Field(ge=1, le=4096)] = 4
     """Fast path, best-token aggregations: tokens of each re-ranked sequence re-scored exactly, the best
     by their approximate scores first; null: every token (sum aggregations always take every token).
     As many of the document's best tokens in its other candidate sequences are re-scored too where their

@@ -261,3 +261,22 @@ def test_rows_elsewhere_measures_both_arms_on_the_same_queries(index, tiny_corpu
         assert 0 <= res["arms"][arm]["overlap_at_10"][0] <= 1
     assert res["overlap_at_10_fast_vs_exact"] == res["arms"]["with"]["overlap_at_10"][0]
     assert re_.main(args)["exact_pass_seconds"] == res["exact_pass_seconds"]
+
+
+def test_fast_ab_measures_two_option_sets_on_one_slice(index, tiny_corpus, tmp_path, monkeypatch):
+    """bench/attribution/fast_ab.py on the tiny index: both arms on every query of the slice, their
+    options as given, the exact pass of the whole draw read back from its arrays."""
+    import bench.attribution.fast_ab as ab
+
+    short = [("A computer", " is a"), ("Love is", " a"), ("The only way to", " be"), ("Never trust a", " man")]
+    monkeypatch.setattr(ab, "draw", lambda heldout, tok, n, *a: [{"prompt": p, "completion": c, "id": str(i)}
+                                                                  for i, (p, c) in enumerate(short[:n])])
+    args = ["--index", str(index), "--heldout", str(tiny_corpus), "--exclude", "", "--first", "1", "--count", "3",
+            "--b", '{"exact_tokens": 2, "exact_rerank": 4}', "--arrays", str(tmp_path / "x.npz"),
+            "--out", str(tmp_path / "r.json")]
+    res = ab.main(args)
+    assert res["queries"] == ["1", "2", "3"]
+    assert res["arms"]["b"]["options"] == {"exact_tokens": 2, "exact_rerank": 4} and res["arms"]["a"]["options"] == {}
+    for arm in ("a", "b"):
+        assert len(res["arms"][arm]["per_query_overlap"]) == 3
+    assert ab.main(args)["exact_pass_seconds"] == res["exact_pass_seconds"]
