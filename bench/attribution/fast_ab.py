@@ -16,39 +16,24 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-from pathlib import Path
 
 import numpy as np
-import torch
 
 from bench._common import finish
-from bench.attribution.rerank_depth import agreement, ci, draw, exact_scores
-from prism_tda.engine import Attributor, QueryOptions, QuerySpec
-from prism_tda.engine.reads import document_table
+from bench.attribution.rerank_depth import agreement, arm_summary, ci, draw_args, open_draw
+from prism_tda.engine import QueryOptions, QuerySpec
 
 
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--index", required=True)
-    ap.add_argument("--heldout", required=True, help="a JSONL file of documents not indexed")
-    ap.add_argument("--seed", type=int, default=4)
-    ap.add_argument("--exclude", default="2:24,3:48", help="earlier draws to leave out, SEED:N each")
+    draw_args(ap)
     ap.add_argument("--first", type=int, default=0, help="the slice of the draw measured: its first query")
     ap.add_argument("--count", type=int, default=48, help="and how many")
     ap.add_argument("--a", type=json.loads, default={}, help="query options of arm a (JSON; {}: the served defaults)")
     ap.add_argument("--b", type=json.loads, required=True, help="query options of arm b (JSON)")
-    ap.add_argument("--arrays", help="the exact scores (.npz) of the draw's first first+count queries, saved and reused")
     ap.add_argument("--out", required=True)
     args = ap.parse_args(argv)
-    torch.set_num_threads(os.cpu_count() or 1)
-    att = Attributor.open(args.index)
-    tok = Path(att.manifest.checkpoint) / "tokenizer.json"
-    exclude = [(int(a), int(b)) for a, b in (p.split(":") for p in args.exclude.split(",") if p)]
-    drawn = draw(Path(args.heldout), tok, args.first + args.count, args.seed, exclude)
-    ext = document_table(Path(args.index), ["external_id"]).column("external_id").to_pylist()
-    row_of = {str(e): i for i, e in enumerate(ext)}
-    exact, exact_s = exact_scores(att, drawn, Path(args.arrays) if args.arrays else None)
+    att, drawn, exact, exact_s, row_of = open_draw(args, args.first + args.count)
     queries, exact = drawn[args.first:], exact[args.first:]
     arms_opt = {"a": args.a, "b": args.b}
     for q in queries[:2]:  # warm up
@@ -61,14 +46,7 @@ def main(argv: list[str] | None = None) -> dict:
             for k, v in agreement(att, [q], exact[i : i + 1], row_of, depth, **opt).items():
                 arms[arm].setdefault(k, []).extend(v)
     rng = np.random.default_rng(0)
-    out = {}
-    for arm, m in arms.items():
-        out[arm] = {"options": arms_opt[arm], "overlap_at_10": ci(np.array(m["strict"]), rng),
-                    "tie_aware_at_10": ci(np.array(m["tie_aware"]), rng),
-                    "seconds_median": round(float(np.median(m["seconds"])), 3),
-                    "seconds_mean": round(float(np.mean(m["seconds"])), 3),
-                    "documents_reranked_mean": round(float(np.mean(m["reranked"])), 2),
-                    "per_query_overlap": [round(x, 2) for x in m["strict"]]}
+    out = {arm: arm_summary(m, rng, options=arms_opt[arm]) for arm, m in arms.items()}
     res = {"index": str(args.index), "tokens": att.reader.n_tokens, "documents": att.reader.n_docs,
            "queries": [q["id"] for q in queries], "seed": args.seed, "exclude": args.exclude,
            "first": args.first, "exact_pass_seconds": round(exact_s, 1), "arms": out,

@@ -61,6 +61,37 @@ def draw(heldout: Path, tok: Path, n: int, seed: int, exclude: list[tuple[int, i
     return qs[:n]
 
 
+def draw_args(ap: argparse.ArgumentParser, exclude: str = "2:24,3:48") -> None:
+    """The arguments of a draw of held-out queries at scale with its exact scores (:func:`open_draw`)."""
+    ap.add_argument("--index", required=True)
+    ap.add_argument("--heldout", required=True, help="a JSONL file of documents not indexed")
+    ap.add_argument("--seed", type=int, default=4)
+    ap.add_argument("--exclude", default=exclude, help="earlier draws to leave out, SEED:N each")
+    ap.add_argument("--arrays", help="the exact scores (.npz) of the draw, saved and reused")
+
+
+def open_draw(args: argparse.Namespace, n: int) -> tuple[Attributor, list[dict], np.ndarray, float, dict[str, int]]:
+    """(the index opened, the draw's ``n`` queries, their exact ``cosine_max`` by document, the seconds
+    of that pass, each document's row by external id), from :func:`draw_args`' arguments."""
+    torch.set_num_threads(os.cpu_count() or 1)
+    att = Attributor.open(args.index)
+    tok = Path(att.manifest.checkpoint) / "tokenizer.json"
+    exclude = [(int(a), int(b)) for a, b in (p.split(":") for p in args.exclude.split(",") if p)]
+    queries = draw(Path(args.heldout), tok, n, args.seed, exclude)
+    ext = document_table(Path(args.index), ["external_id"]).column("external_id").to_pylist()
+    exact, exact_s = exact_scores(att, queries, Path(args.arrays) if args.arrays else None)
+    return att, queries, exact, exact_s, {str(e): i for i, e in enumerate(ext)}
+
+
+def arm_summary(m: dict, rng: np.random.Generator, **extra: object) -> dict:
+    """One setting's :func:`agreement` over queries: means with 95% intervals, time, re-ranked documents."""
+    return {**extra, "overlap_at_10": ci(np.array(m["strict"]), rng), "tie_aware_at_10": ci(np.array(m["tie_aware"]), rng),
+            "seconds_median": round(float(np.median(m["seconds"])), 3),
+            "seconds_mean": round(float(np.mean(m["seconds"])), 3),
+            "documents_reranked_mean": round(float(np.mean(m["reranked"])), 2),
+            "per_query_overlap": [round(x, 2) for x in m["strict"]]}
+
+
 def exact_scores(att: Attributor, queries: list[dict], arrays: Path | None) -> tuple[np.ndarray, float]:
     """(queries, documents) exact ``cosine_max`` and the seconds its pass took, from ``arrays`` when it
     holds these queries (as its first ones)."""

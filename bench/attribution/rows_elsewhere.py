@@ -23,37 +23,22 @@ queries, paired for the difference; seconds per query (median and mean) and docu
 from __future__ import annotations
 
 import argparse
-import os
-from pathlib import Path
 
 import numpy as np
-import torch
 
 import prism_tda.engine.shards as shards
 from bench._common import finish
-from bench.attribution.rerank_depth import agreement, ci, draw, exact_scores
-from prism_tda.engine import Attributor, QueryOptions, QuerySpec
-from prism_tda.engine.reads import document_table
+from bench.attribution.rerank_depth import agreement, arm_summary, ci, draw_args, open_draw
+from prism_tda.engine import QueryOptions, QuerySpec
 
 
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--index", required=True)
-    ap.add_argument("--heldout", required=True, help="a JSONL file of documents not indexed")
-    ap.add_argument("--seed", type=int, default=4)
-    ap.add_argument("--exclude", default="2:24,3:48", help="earlier draws to leave out, SEED:N each")
+    draw_args(ap)
     ap.add_argument("--queries", type=int, default=48)
-    ap.add_argument("--arrays", help="the exact scores (.npz), saved and reused")
     ap.add_argument("--out", default="bench/results/rows_elsewhere.json")
     args = ap.parse_args(argv)
-    torch.set_num_threads(os.cpu_count() or 1)
-    att = Attributor.open(args.index)
-    tok = Path(att.manifest.checkpoint) / "tokenizer.json"
-    exclude = [(int(a), int(b)) for a, b in (p.split(":") for p in args.exclude.split(",") if p)]
-    queries = draw(Path(args.heldout), tok, args.queries, args.seed, exclude)
-    ext = document_table(Path(args.index), ["external_id"]).column("external_id").to_pylist()
-    row_of = {str(e): i for i, e in enumerate(ext)}
-    exact, exact_s = exact_scores(att, queries, Path(args.arrays) if args.arrays else None)
+    att, queries, exact, exact_s, row_of = open_draw(args, args.queries)
     depth = QueryOptions().exact_rerank
     for q in queries[:2]:  # warm up
         att.attribute(QuerySpec(q["prompt"], q["completion"]))
@@ -68,13 +53,7 @@ def main(argv: list[str] | None = None) -> dict:
     finally:
         shards.ROWS_ELSEWHERE = True
     rng = np.random.default_rng(0)
-    out = {}
-    for arm, m in arms.items():
-        out[arm] = {"overlap_at_10": ci(np.array(m["strict"]), rng), "tie_aware_at_10": ci(np.array(m["tie_aware"]), rng),
-                    "seconds_median": round(float(np.median(m["seconds"])), 3),
-                    "seconds_mean": round(float(np.mean(m["seconds"])), 3),
-                    "documents_reranked_mean": round(float(np.mean(m["reranked"])), 2),
-                    "per_query_overlap": [round(x, 2) for x in m["strict"]]}
+    out = {arm: arm_summary(m, rng) for arm, m in arms.items()}
     diff = np.array(arms["with"]["strict"]) - np.array(arms["without"]["strict"])
     res = {"index": str(args.index), "tokens": att.reader.n_tokens, "documents": att.reader.n_docs,
            "queries": [q["id"] for q in queries], "seed": args.seed, "exclude": args.exclude,

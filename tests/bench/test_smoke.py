@@ -246,12 +246,13 @@ def test_rerank_depth_chooses_by_its_rule_and_reuses_the_exact_pass(index, tiny_
 def test_rows_elsewhere_measures_both_arms_on_the_same_queries(index, tiny_corpus, tmp_path, monkeypatch):
     """bench/attribution/rows_elsewhere.py on the tiny index: both arms on every query, the switch put
     back afterwards, the exact pass read back from its arrays."""
+    import bench.attribution.rerank_depth as rd
     import bench.attribution.rows_elsewhere as re_
     import prism_tda.engine.shards as shards
 
     short = [("A computer", " is a"), ("Love is", " a"), ("The only way to", " be")]
-    monkeypatch.setattr(re_, "draw", lambda *a: [{"prompt": p, "completion": c, "id": str(i)}
-                                                 for i, (p, c) in enumerate(short)])
+    monkeypatch.setattr(rd, "draw", lambda *a: [{"prompt": p, "completion": c, "id": str(i)}
+                                                for i, (p, c) in enumerate(short)])
     args = ["--index", str(index), "--heldout", str(tiny_corpus), "--queries", "3", "--exclude", "",
             "--arrays", str(tmp_path / "x.npz"), "--out", str(tmp_path / "r.json")]
     res = re_.main(args)
@@ -267,9 +268,10 @@ def test_fast_ab_measures_two_option_sets_on_one_slice(index, tiny_corpus, tmp_p
     """bench/attribution/fast_ab.py on the tiny index: both arms on every query of the slice, their
     options as given, the exact pass of the whole draw read back from its arrays."""
     import bench.attribution.fast_ab as ab
+    import bench.attribution.rerank_depth as rd
 
     short = [("A computer", " is a"), ("Love is", " a"), ("The only way to", " be"), ("Never trust a", " man")]
-    monkeypatch.setattr(ab, "draw", lambda heldout, tok, n, *a: [{"prompt": p, "completion": c, "id": str(i)}
+    monkeypatch.setattr(rd, "draw", lambda heldout, tok, n, *a: [{"prompt": p, "completion": c, "id": str(i)}
                                                                   for i, (p, c) in enumerate(short[:n])])
     args = ["--index", str(index), "--heldout", str(tiny_corpus), "--exclude", "", "--first", "1", "--count", "3",
             "--b", '{"exact_tokens": 2, "exact_rerank": 4}', "--arrays", str(tmp_path / "x.npz"),
