@@ -350,6 +350,11 @@ class RemoteReader(IndexWide):
         _, _, _, _, tokens, targets = self._seq(int(seq))
         return tokens.astype(np.int64).tolist(), targets.astype(np.int64).tolist()
 
+    def sequences_tokens(self, seqs: np.ndarray) -> tuple[np.ndarray, list[tuple[np.ndarray, np.ndarray]]]:
+        got = [self._seq(int(s)) for s in np.asarray(seqs, np.int64)]
+        return (np.array([g[0] for g in got], dtype=np.int64),
+                [(g[4].astype(np.int64), g[5].astype(np.int64)) for g in got])
+
     def doc_of_seqs(self, seqs: np.ndarray) -> np.ndarray:
         return np.array([self._seq(int(s))[3] for s in seqs], dtype=np.int64)
 

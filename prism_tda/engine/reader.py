@@ -335,6 +335,23 @@ class IndexReader(IndexWide):
         sh = self.shard(s)
         return sh.tokens[local].astype(np.int64).tolist(), sh.targets(local).tolist()
 
+    def sequences_tokens(self, seqs: np.ndarray) -> tuple[np.ndarray, list[tuple[np.ndarray, np.ndarray]]]:
+        """(first global token row of each, (input tokens, targets) of each) of the sequences ``seqs``,
+        as the model saw them: one read per shard."""
+        seqs = np.asarray(seqs, np.int64)
+        first = np.zeros(len(seqs), np.int64)
+        out: list[tuple[np.ndarray, np.ndarray]] = [(np.zeros(0, np.int64), np.zeros(0, np.int64))] * len(seqs)
+        for s, at, local in self._split(seqs, self.seq_base):
+            sh = self.shard(s)
+            t0, t1 = np.asarray(sh.seq_tok0[local], np.int64), np.asarray(sh.seq_tok0[local + 1], np.int64)
+            rows = ranges(t0, t1)
+            first[at] = self.tok_base[s] + t0
+            cut = np.cumsum(t1 - t0)[:-1]
+            toks, tgts = np.split(np.asarray(sh.tokens[rows], np.int64), cut), np.split(sh.targets(rows), cut)
+            for i, tk, tg in zip(at, toks, tgts, strict=True):
+                out[i] = (tk, tg)
+        return first, out
+
     # --------------------------------------------------------------------------- first stages
     @functools.cached_property
     def list_sizes(self) -> np.ndarray:

@@ -167,6 +167,10 @@ class Reads(Protocol):
         """(input tokens, targets) of one sequence, as the model saw them."""
         ...
 
+    def sequences_tokens(self, seqs: np.ndarray) -> tuple[np.ndarray, list[tuple[np.ndarray, np.ndarray]]]:
+        """(first global token row of each, (input tokens, targets) of each) of many sequences."""
+        ...
+
     def document(self, doc: int) -> dict:
         """One document's record (``KeyError`` for an id that does not exist)."""
         ...

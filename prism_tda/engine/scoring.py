@@ -220,7 +220,7 @@ def approx_scores(reader: IndexReader, G: torch.Tensor, pre: Preconditioner, tok
     return out
 
 
-def window_key(tokens: list[int], targets: list[int], positions: np.ndarray | None = None) -> bytes:
+def window_key(tokens: list[int] | np.ndarray, targets: list[int] | np.ndarray, positions: np.ndarray | None = None) -> bytes:
     """What a sequence's exact scores depend on besides the query: its input tokens, its targets and
     the positions scored (None: every one). Two sequences with one key score the same."""
     h = hashlib.blake2b(digest_size=16)
@@ -245,15 +245,13 @@ def exact_scores(model: PRISM, reader: Reads, G: torch.Tensor, pre: Precondition
         tok_seq = reader.seq_of_tokens(tokens)
         seqs = tok_seq
     seqs = unique(seqs)
-    spans = [reader.seq_span(int(s)) for s in seqs]
-    first = np.array([sp[0] for sp in spans], dtype=np.int64)
+    first, data = reader.sequences_tokens(seqs)
     positions = None
     if tokens is not None:
         positions = [tokens[tok_seq == s] - f for s, f in zip(seqs, first, strict=True)]
         ends = np.array([int(p.max()) + 1 for p in positions], dtype=np.int64)
     else:
-        ends = np.array([sp[1] - sp[0] for sp in spans], dtype=np.int64)
-    data = [reader.sequence_tokens(int(s)) for s in seqs]
+        ends = np.array([len(t) for t, _ in data], dtype=np.int64)
     rep_of: dict[bytes, int] = {}
     rep = np.array([rep_of.setdefault(window_key(t, g, None if positions is None else positions[i]), i)
                     for i, (t, g) in enumerate(data)], dtype=np.int64)
@@ -353,15 +351,19 @@ def unit_keys(reader: Reads, units: list[tuple[np.ndarray, np.ndarray | None]]) 
     """One key per re-rank unit (its sequences, and the global rows to score in them or None for every
     row): units with one key hold the same windows scored at the same positions, so they re-rank to
     the same scores (``window_key``)."""
-    out = []
-    for seqs, toks in units:
+    seqs = np.concatenate([np.zeros(0, np.int64), *(np.asarray(u[0], np.int64) for u in units)])
+    first, data = reader.sequences_tokens(seqs)
+    out, at = [], 0
+    for useqs, toks in units:
         h = hashlib.blake2b(digest_size=16)
-        for s in np.asarray(seqs, np.int64):
+        for _ in range(len(useqs)):
+            tokens, targets = data[at]
             pos = None
             if toks is not None:
-                lo, hi, _ = reader.seq_span(int(s))
-                pos = toks[(toks >= lo) & (toks < hi)] - lo
-            h.update(window_key(*reader.sequence_tokens(int(s)), pos))
+                lo = first[at]
+                pos = toks[(toks >= lo) & (toks < lo + len(tokens))] - lo
+            h.update(window_key(tokens, targets, pos))
+            at += 1
         out.append(h.digest())
     return out
 

@@ -118,6 +118,19 @@ def test_a_documents_best_token_in_another_sequence_is_re_scored(att, monkeypatc
     assert att.attribute(spec, QueryOptions(**opts)).documents != res.documents
 
 
+def test_many_sequences_read_at_once_as_one_at_a_time(att):
+    r = att.reader
+    seqs = np.random.default_rng(0).choice(r.n_seqs, size=min(40, r.n_seqs), replace=False)  # unsorted
+    assert len(np.unique(np.searchsorted(r.seq_base, seqs, side="right"))) > 1  # across shards
+    first, data = r.sequences_tokens(seqs)
+    assert len(first) == len(data) == len(seqs)
+    for s, f, (tk, tg) in zip(seqs, first, data, strict=True):
+        assert f == r.seq_span(int(s))[0]
+        assert (tk.tolist(), tg.tolist()) == r.sequence_tokens(int(s))
+    empty_first, empty = r.sequences_tokens(np.zeros(0, np.int64))
+    assert len(empty_first) == len(empty) == 0
+
+
 def test_approximate_scores_track_the_exact_ones(att):
     q = att.encode(COMPUTER)
     pre = att.preconditioner()
