@@ -40,7 +40,6 @@ from .types import Aggregation
 # still reach the top (bench/attribution/rows_elsewhere.py measures the agreement with exact with and
 # without them)
 ROWS_ELSEWHERE = True
-MORE_ROWS = 4096  # with every row of the best sequence re-scored (exact_tokens None): rows elsewhere, at most
 
 
 @dataclass
@@ -155,10 +154,12 @@ def best_rows_per_sequence(reader: IndexReader, approx: TokenScores, seqs: np.nd
 
 
 def best_rows_elsewhere(reader: IndexReader, approx: TokenScores, docs: np.ndarray, best_seq: np.ndarray,
-                        m: int, sign: float, value: np.ndarray) -> tuple[list[np.ndarray], list[np.ndarray]]:
-    """For each document of ``docs`` (distinct), the rows of its ``m`` best tokens among ``approx``
-    outside its best sequence ``best_seq`` by ``sign`` x ``value`` (each row's approximate cosine or raw
-    score; equal values: the lower row), best first, and their values, in one sort."""
+                        m: int | np.ndarray, sign: float,
+                        value: np.ndarray) -> tuple[list[np.ndarray], list[np.ndarray]]:
+    """For each document of ``docs`` (distinct), the rows of its ``m`` best tokens (``m``: one number,
+    or one per document) among ``approx`` outside its best sequence ``best_seq`` by ``sign`` x ``value``
+    (each row's approximate cosine or raw score; equal values: the lower row), best first, and their
+    values, in one sort."""
     tok_seq = reader.seq_of_tokens(approx.tok)
     tok_doc = reader.doc_of_seqs(tok_seq)
     order = np.argsort(docs, kind="stable")
@@ -169,7 +170,8 @@ def best_rows_elsewhere(reader: IndexReader, approx: TokenScores, docs: np.ndarr
     grp = tok_doc[keep]
     start = np.r_[0, np.nonzero(grp[1:] != grp[:-1])[0] + 1] if len(keep) else np.zeros(0, np.int64)
     rank = np.arange(len(keep)) - np.repeat(start, np.diff(np.r_[start, len(keep)]))
-    keep, grp = keep[rank < m], grp[rank < m]
+    cap = m if np.isscalar(m) else np.asarray(m)[order][np.searchsorted(docs[order], grp)]
+    keep, grp = keep[rank < cap], grp[rank < cap]
     bounds = np.searchsorted(grp, docs, side="left"), np.searchsorted(grp, docs, side="right")
     return ([approx.tok[keep[a:b]] for a, b in zip(*bounds, strict=True)],
             [np.asarray(value[keep[a:b]], np.float64) for a, b in zip(*bounds, strict=True)])
@@ -251,7 +253,12 @@ class ShardWorker:
             seq_docs = reader.doc_of_seqs(seqs)
             match_seqs = [seqs[seq_docs == d] for d in docs]
         elif len(best_seq) and aggregation.endswith("_max") and ROWS_ELSEWHERE:
-            more, more_score = best_rows_elsewhere(reader, approx, docs, best_seq, MORE_ROWS if m is None else m, sign,
+            if m is None:  # every row of the best sequence re-scored: as many rows elsewhere, at most
+                seen, count = np.unique(reader.seq_of_tokens(approx.tok), return_counts=True)
+                cap: int | np.ndarray = count[np.searchsorted(seen, best_seq)]
+            else:
+                cap = m
+            more, more_score = best_rows_elsewhere(reader, approx, docs, best_seq, cap, sign,
                                                    approx.cos if aggregation.startswith("cosine") else approx.raw)
         self._done("shortlist", t0, started, len(approx.tok))
         return Shortlist(docs, score, tie, best_seq, tokens, match_seqs, len(approx.tok), more, more_score)

@@ -141,11 +141,13 @@ class Services:
             if options.exact_rerank > s.max_exact_rerank:
                 raise problems.InvalidRequest(f"{where}exact_rerank: {options.exact_rerank} is over the server's "
                                               f"limit of {s.max_exact_rerank}")
+            # each document's rows in its best sequence, and as many of its best rows elsewhere
             per_seq = options.exact_tokens if options.exact_tokens is not None else (context or 0)
-            if options.mode == "fast" and options.exact_rerank * per_seq > s.max_rerank_tokens:
+            if options.mode == "fast" and 2 * options.exact_rerank * per_seq > s.max_rerank_tokens:
                 shown = options.exact_tokens if options.exact_tokens is not None else f"null (the context, {context})"
                 raise problems.InvalidRequest(f"{where}exact_rerank x exact_tokens: {options.exact_rerank} x {shown} "
-                                              f"tokens re-scored is over the server's limit of {s.max_rerank_tokens}")
+                                              f"x 2 (a document's best sequence and its rows elsewhere) tokens "
+                                              f"re-scored is over the server's limit of {s.max_rerank_tokens}")
         if options is not None and options.n_documents > s.max_top_k:
             raise problems.InvalidRequest(f"{where}n_documents: {options.n_documents} is over the server's limit of "
                                           f"{s.max_top_k}")

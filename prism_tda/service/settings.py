@@ -148,7 +148,8 @@ class Settings(BaseSettings):
     max_rerank_tokens: int = Field(
         32_768, ge=1, description="Most training tokens one fast attribution may re-score with the model: "
                                   "`exact_rerank` x `exact_tokens` (x the context length when `exact_tokens` is "
-                                  "null).")
+                                  "null) x 2 (a document's best sequence, and as many of its best rows in its "
+                                  "other sequences).")
     discover_max_tokens: int = Field(
         2_000_000, ge=0, description="Most stored tokens one prototype discovery may read (its documents, and "
                                      "for `measure: logit` the corpus pass behind the default contrast until "

@@ -64,3 +64,8 @@ def test_rows_elsewhere_are_each_documents_best_outside_its_best_sequence(sign: 
         np.testing.assert_array_equal(got, tok[at])
         np.testing.assert_array_equal(v, cos[at])
     assert len(rows[-1]) == 0
+    caps = rng.integers(0, 5, size=len(docs))  # one number per document
+    rows, _ = best_rows_elsewhere(Windows(), approx, docs, best_seq, caps, sign, cos)
+    for d, b, c, got in zip(docs, best_seq, caps, rows, strict=True):
+        at = np.nonzero((tok // 21 == d) & (tok // 7 != b))[0]
+        np.testing.assert_array_equal(got, tok[at[np.lexsort((tok[at], -(sign * cos[at])))[:c]]])
