@@ -188,8 +188,7 @@ class Attributor:
                   None if m is None else short.tokens[i]) for i in range(len(short.doc))]
         # and each document's best rows in its other candidate sequences (its exact best token can sit
         # in any of them), re-scored only where they could still reach the top
-        more = list(short.more) or [np.zeros(0, np.int64) for _ in units]
-        more_score = list(short.more_score) or [np.zeros(0) for _ in units]
+        more, more_score = list(short.more), list(short.more_score)
         self.reader.prefetch(unique(np.concatenate([np.zeros(0, np.int64), *(u[0] for u in units)])), ctx)
         if ctx is not None and ctx.missing:  # a partial answer: what the missing shards hold is left out
             gone = np.array(sorted(ctx.missing), dtype=np.int64)

@@ -137,30 +137,35 @@ class CallStats:
     rows: int
 
 
-def best_rows_per_sequence(reader: IndexReader, approx: TokenScores, seqs: np.ndarray, m: int,
-                           sign: float) -> list[np.ndarray]:
+def rank_in_runs(grp: np.ndarray) -> np.ndarray:
+    """Each element's position within its run of equal values of ``grp`` (0 for a run's first)."""
+    start = np.r_[0, np.nonzero(grp[1:] != grp[:-1])[0] + 1] if len(grp) else np.zeros(0, np.int64)
+    return np.arange(len(grp)) - np.repeat(start, np.diff(np.r_[start, len(grp)]))
+
+
+def best_rows_per_sequence(reader: IndexReader, approx: TokenScores, seqs: np.ndarray, m: int, sign: float,
+                           tok_seq: np.ndarray | None = None) -> list[np.ndarray]:
     """For each sequence of ``seqs``, the rows (ascending) of its ``m`` best tokens among ``approx``
     by ``sign`` x approximate cosine (equal cosines: the lower row), in one sort of the rows of all of
-    them."""
-    tok_seq = reader.seq_of_tokens(approx.tok)
+    them (``tok_seq``: each row's sequence, when the caller has it)."""
+    tok_seq = reader.seq_of_tokens(approx.tok) if tok_seq is None else tok_seq
     at = np.nonzero(np.isin(tok_seq, seqs))[0]
     at = at[np.lexsort((approx.tok[at], -(sign * approx.cos[at]), tok_seq[at]))]
     grp = tok_seq[at]
-    start = np.r_[0, np.nonzero(grp[1:] != grp[:-1])[0] + 1] if len(at) else np.zeros(0, np.int64)
-    rank = np.arange(len(at)) - np.repeat(start, np.diff(np.r_[start, len(at)]))
+    rank = rank_in_runs(grp)
     at, grp = at[rank < m], grp[rank < m]
     bounds = np.searchsorted(grp, seqs, side="left"), np.searchsorted(grp, seqs, side="right")
     return [np.sort(approx.tok[at[a:b]]) for a, b in zip(*bounds, strict=True)]
 
 
 def best_rows_elsewhere(reader: IndexReader, approx: TokenScores, docs: np.ndarray, best_seq: np.ndarray,
-                        m: int | np.ndarray, sign: float,
-                        value: np.ndarray) -> tuple[list[np.ndarray], list[np.ndarray]]:
+                        m: int | np.ndarray, sign: float, value: np.ndarray,
+                        tok_seq: np.ndarray | None = None) -> tuple[list[np.ndarray], list[np.ndarray]]:
     """For each document of ``docs`` (distinct), the rows of its ``m`` best tokens (``m``: one number,
     or one per document) among ``approx`` outside its best sequence ``best_seq`` by ``sign`` x ``value``
     (each row's approximate cosine or raw score; equal values: the lower row), best first, and their
-    values, in one sort."""
-    tok_seq = reader.seq_of_tokens(approx.tok)
+    values, in one sort (``tok_seq``: each row's sequence, when the caller has it)."""
+    tok_seq = reader.seq_of_tokens(approx.tok) if tok_seq is None else tok_seq
     tok_doc = reader.doc_of_seqs(tok_seq)
     order = np.argsort(docs, kind="stable")
     at = np.minimum(np.searchsorted(docs[order], tok_doc), max(len(docs) - 1, 0))
@@ -168,8 +173,7 @@ def best_rows_elsewhere(reader: IndexReader, approx: TokenScores, docs: np.ndarr
         else np.zeros(0, np.int64)
     keep = keep[np.lexsort((approx.tok[keep], -(sign * value[keep]), tok_doc[keep]))]
     grp = tok_doc[keep]
-    start = np.r_[0, np.nonzero(grp[1:] != grp[:-1])[0] + 1] if len(keep) else np.zeros(0, np.int64)
-    rank = np.arange(len(keep)) - np.repeat(start, np.diff(np.r_[start, len(keep)]))
+    rank = rank_in_runs(grp)
     cap = m if np.isscalar(m) else np.asarray(m)[order][np.searchsorted(docs[order], grp)]
     keep, grp = keep[rank < cap], grp[rank < cap]
     bounds = np.searchsorted(grp, docs, side="left"), np.searchsorted(grp, docs, side="right")
@@ -243,9 +247,10 @@ class ShardWorker:
         approx = approx_scores(reader, G, pre, reader.rows_of_sequences(seqs), match=match)
         sign = -1.0 if opponents else 1.0
         best, score, tie = ranked_documents(reader, approx, aggregation, sign=sign, n=n)
-        best_seq = reader.seq_of_tokens(approx.tok[best]) if len(best) else np.zeros(0, np.int64)
+        tok_seq = reader.seq_of_tokens(approx.tok)  # each scored row's sequence
+        best_seq = tok_seq[best] if len(best) else np.zeros(0, np.int64)
         docs = reader.doc_of_seqs(best_seq)
-        tokens = best_rows_per_sequence(reader, approx, best_seq, m, sign) if m is not None and len(best_seq) \
+        tokens = best_rows_per_sequence(reader, approx, best_seq, m, sign, tok_seq) if m is not None and len(best_seq) \
             else [np.zeros(0, np.int64) for _ in best_seq]
         match_seqs = [np.zeros(0, np.int64) for _ in best_seq]
         more, more_score = [np.zeros(0, np.int64) for _ in best_seq], [np.zeros(0) for _ in best_seq]
@@ -254,12 +259,13 @@ class ShardWorker:
             match_seqs = [seqs[seq_docs == d] for d in docs]
         elif len(best_seq) and aggregation.endswith("_max") and ROWS_ELSEWHERE:
             if m is None:  # every row of the best sequence re-scored: as many rows elsewhere, at most
-                seen, count = np.unique(reader.seq_of_tokens(approx.tok), return_counts=True)
+                seen, count = np.unique(tok_seq, return_counts=True)
                 cap: int | np.ndarray = count[np.searchsorted(seen, best_seq)]
             else:
                 cap = m
             more, more_score = best_rows_elsewhere(reader, approx, docs, best_seq, cap, sign,
-                                                   approx.cos if aggregation.startswith("cosine") else approx.raw)
+                                                   approx.cos if aggregation.startswith("cosine") else approx.raw,
+                                                   tok_seq)
         self._done("shortlist", t0, started, len(approx.tok))
         return Shortlist(docs, score, tie, best_seq, tokens, match_seqs, len(approx.tok), more, more_score)
 
