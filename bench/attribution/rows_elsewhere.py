@@ -23,6 +23,7 @@ queries, paired for the difference; seconds per query (median and mean) and docu
 from __future__ import annotations
 
 import argparse
+from types import ModuleType
 
 import numpy as np
 
@@ -32,35 +33,44 @@ from bench.attribution.rerank_depth import agreement, arm_summary, ci, draw_args
 from prism_tda.engine import QueryOptions, QuerySpec
 
 
-def main(argv: list[str] | None = None) -> dict:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def switch_ab(argv: list[str] | None, doc: str, module: ModuleType, switch: str, name: str, out: str) -> dict:
+    """The served defaults with the engine's switch ``module.switch`` on and off, interleaved query by
+    query on a draw (``rerank_depth.draw_args``); written to ``--out`` (default ``out``) under
+    ``name``'s script."""
+    ap = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
     draw_args(ap)
     ap.add_argument("--queries", type=int, default=48)
-    ap.add_argument("--out", default="bench/results/rows_elsewhere.json")
+    ap.add_argument("--out", default=out)
     args = ap.parse_args(argv)
     att, queries, exact, exact_s, row_of = open_draw(args, args.queries)
     depth = QueryOptions().exact_rerank
     for q in queries[:2]:  # warm up
         att.attribute(QuerySpec(q["prompt"], q["completion"]))
     arms: dict[str, dict[str, list]] = {"with": {}, "without": {}}
+    was = getattr(module, switch)
     try:
         for i, q in enumerate(queries):  # interleaved: one machine state for both arms
             for arm in ("without", "with") if i % 2 else ("with", "without"):
-                shards.ROWS_ELSEWHERE = arm == "with"
+                setattr(module, switch, arm == "with")
                 m = agreement(att, [q], exact[i : i + 1], row_of, depth)
                 for k, v in m.items():
                     arms[arm].setdefault(k, []).extend(v)
     finally:
-        shards.ROWS_ELSEWHERE = True
+        setattr(module, switch, was)
     rng = np.random.default_rng(0)
-    out = {arm: arm_summary(m, rng) for arm, m in arms.items()}
+    summ = {arm: arm_summary(m, rng) for arm, m in arms.items()}
     diff = np.array(arms["with"]["strict"]) - np.array(arms["without"]["strict"])
     res = {"index": str(args.index), "tokens": att.reader.n_tokens, "documents": att.reader.n_docs,
            "queries": [q["id"] for q in queries], "seed": args.seed, "exclude": args.exclude,
-           "exact_pass_seconds": round(exact_s, 1), "exact_rerank": depth, "arms": out,
-           "overlap_diff_with_without_ci": ci(diff, rng),
-           "overlap_at_10_fast_vs_exact": out["with"]["overlap_at_10"][0]}
-    return finish(res, "attribution/rows_elsewhere.py", argv, args.out)
+           "exact_pass_seconds": round(exact_s, 1), "exact_rerank": depth, "switch": f"{module.__name__}.{switch}",
+           "arms": summ, "overlap_diff_with_without_ci": ci(diff, rng),
+           "overlap_at_10_fast_vs_exact": summ["with"]["overlap_at_10"][0]}
+    return finish(res, name, argv, args.out)
+
+
+def main(argv: list[str] | None = None) -> dict:
+    return switch_ab(argv, __doc__ or "", shards, "ROWS_ELSEWHERE", "attribution/rows_elsewhere.py",
+                     "bench/results/rows_elsewhere.json")
 
 
 if __name__ == "__main__":

@@ -31,7 +31,7 @@ import torch
 from prism_tda.errors import PrismError, QueryError, check_stop
 from prism_tda.model import checkpoint as ckpt
 
-from . import layout
+from . import layout, scoring
 from .arrays import unique
 from .candidates import FirstStages, posting_plan
 from .exact import exhaustive, measure_rate
@@ -49,8 +49,11 @@ from .scoring import (
     concat_scores,
     document_scores,
     exact_scores,
+    not_removed,
+    prefix_copies,
     rank_documents_with_ties,
     reach,
+    trained_only,
     unit_keys,
 )
 from .shards import CallContext, LocalShards, ShardSet
@@ -250,11 +253,25 @@ class Attributor:
                 break
             parts.append(elsewhere)
         exact = concat_scores(parts, self.reader.k, None if match is None else match.n_targets)
+        if scoring.PREFIX_COPIES and m is not None:  # exact ties: every candidate window holding the same text
+            exact = prefix_copies(self.reader, exact, self._copy_targets(seqs, opt, ctx), opt.aggregation, sign,
+                                  opt.n_documents)
         ranked, ties = rank_documents_with_ties(self.reader, exact, opt.aggregation, opponents=opt.opponents,
                                                 n=opt.n_documents)
         if ctx is not None:
             ctx.rerank_ms = 1e3 * (time.perf_counter() - t1)
         return exact, short.n_scored, ranked, ties, len(done)
+
+    def _copy_targets(self, seqs: np.ndarray, opt: QueryOptions, ctx: CallContext | None) -> np.ndarray:
+        """The candidate windows a tied row may be copied to: those the shortlist could rank (trained
+        unless asked otherwise, not taken down, in a shard that answered)."""
+        seqs = unique(np.asarray(seqs, np.int64))
+        if ctx is not None and ctx.missing:
+            gone = np.array(sorted(ctx.missing), dtype=np.int64)
+            seqs = seqs[~np.isin(np.searchsorted(self.reader.seq_base, seqs, side="right") - 1, gone)]
+        if not opt.include_untrained:
+            seqs = trained_only(self.reader, seqs)
+        return not_removed(self.reader, seqs)
 
     def _exhaustive(self, q: Query, opt: QueryOptions, pre: Preconditioner, stop: threading.Event | None = None,
                     progress: bool = False) -> tuple[TokenScores, int, list, int, int]:

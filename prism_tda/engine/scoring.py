@@ -390,6 +390,63 @@ def reach(reader: Reads, exact: TokenScores, short: Shortlist, done: np.ndarray,
     return float(nth - RERANK_MARGIN * float(np.abs(ex[ok] - sign * short.score[done][ok]).max()))
 
 
+# the n best documents' best rows are copied to the candidate windows that hold the same text up to
+# them, when those documents tie exactly (bench/attribution/prefix_copies.py measures the agreement with
+# exact with and without)
+PREFIX_COPIES = True
+
+
+def prefix_copies(reader: Reads, scores: TokenScores, seqs: np.ndarray, aggregation: Aggregation, sign: float,
+                  n: int) -> TokenScores:
+    """``scores`` and, where two of its ``n`` best documents tie exactly (the same score and tie-break:
+    text they share, a licence header or a repeated document), the best row of each of the ``n`` best
+    copied to every window of ``seqs`` that holds the same input tokens from its start through that
+    row's position and the same target there. The model is causal and reads each window from its own
+    start, so it computes that position of such a window exactly as it did the row's: the copy's exact
+    score is the row's own. Exact mode scores every copy and keeps the lowest document ids among equal
+    scores; without the copies the fast path keeps whichever copies its shortlist happened to hold
+    (their compressed scores differ in the last digits). Max aggregations only (a copied row is one
+    token of its document, which a sum would undercount)."""
+    if not aggregation.endswith("_max") or not len(scores.tok) or not len(seqs):
+        return scores
+    tot = document_totals(reader, scores, sign)
+    at, score, tie = tot.rank(aggregation, sign, len(tot.docs))
+    key = np.stack([score, tie], 1)
+    top = key[:n]
+    if not (top[:, None, :] == key[None, :, :]).all(2).sum(1).max(initial=0) > 1:
+        return scores
+    src = tot.best_token(aggregation)[at[:n]]  # positions in ``scores``
+    rows = scores.tok[src]
+    s_first, s_data = reader.sequences_tokens(reader.seq_of_tokens(rows))
+    pos = rows - s_first
+    c_first, c_data = reader.sequences_tokens(seqs)
+    lens = np.array([len(t) for t, _ in c_data], dtype=np.int64)
+    off = np.concatenate([[0], np.cumsum(lens)[:-1]]).astype(np.int64)
+    flat_t = np.concatenate([np.zeros(0, np.int64), *(t for t, _ in c_data)])
+    flat_y = np.concatenate([np.zeros(0, np.int64), *(y for _, y in c_data)])
+    take, dst = [], []
+    for i, p in enumerate(pos):
+        tk, tg = s_data[i]
+        ok = np.flatnonzero(lens > p)
+        ok = ok[(flat_t[off[ok] + p] == tk[p]) & (flat_y[off[ok] + p] == tg[p])]
+        for c in ok:
+            if np.array_equal(c_data[c][0][: p + 1], tk[: p + 1]):
+                take.append(src[i])
+                dst.append(c_first[c] + p)
+    if not dst:
+        return scores
+    dst_a, take_a = np.array(dst, np.int64), np.array(take, np.int64)
+    new = ~np.isin(dst_a, scores.tok)
+    dst_a, u = np.unique(dst_a[new], return_index=True)
+    take_a = take_a[new][u]
+    if not len(dst_a):
+        return scores
+    copies = TokenScores(dst_a, scores.raw[take_a], scores.cos[take_a], scores.protos[take_a],
+                         scores.slot_val[take_a], scores.exact, None if scores.match is None else scores.match[take_a])
+    return concat_scores([scores, copies], reader.k, None if scores.match is None else scores.match.shape[1],
+                         scores.exact)
+
+
 def not_removed(reader: Reads, seqs: np.ndarray) -> np.ndarray:
     """The sequences of ``seqs`` whose documents were not taken down."""
     if not len(seqs) or not reader.takedown.any():

@@ -243,25 +243,29 @@ def test_rerank_depth_chooses_by_its_rule_and_reuses_the_exact_pass(index, tiny_
     assert again["exact_pass_seconds"] == res["exact_pass_seconds"]
 
 
-def test_rows_elsewhere_measures_both_arms_on_the_same_queries(index, tiny_corpus, tmp_path, monkeypatch):
-    """bench/attribution/rows_elsewhere.py on the tiny index: both arms on every query, the switch put
-    back afterwards, the exact pass read back from its arrays."""
-    import bench.attribution.rerank_depth as rd
-    import bench.attribution.rows_elsewhere as re_
-    import prism_tda.engine.shards as shards
+@pytest.mark.parametrize("bench, module, switch", [("rows_elsewhere", "prism_tda.engine.shards", "ROWS_ELSEWHERE"),
+                                                    ("prefix_copies", "prism_tda.engine.scoring", "PREFIX_COPIES")])
+def test_switch_benches_measure_both_arms_on_the_same_queries(bench, module, switch, index, tiny_corpus, tmp_path,
+                                                              monkeypatch):
+    """bench/attribution/rows_elsewhere.py and prefix_copies.py on the tiny index: both arms on every
+    query, the switch put back afterwards, the exact pass read back from its arrays."""
+    import importlib
 
+    import bench.attribution.rerank_depth as rd
+
+    b, mod = importlib.import_module(f"bench.attribution.{bench}"), importlib.import_module(module)
     short = [("A computer", " is a"), ("Love is", " a"), ("The only way to", " be")]
     monkeypatch.setattr(rd, "draw", lambda *a: [{"prompt": p, "completion": c, "id": str(i)}
                                                 for i, (p, c) in enumerate(short)])
     args = ["--index", str(index), "--heldout", str(tiny_corpus), "--queries", "3", "--exclude", "",
             "--arrays", str(tmp_path / "x.npz"), "--out", str(tmp_path / "r.json")]
-    res = re_.main(args)
-    assert shards.ROWS_ELSEWHERE is True
+    res = b.main(args)
+    assert getattr(mod, switch) is True and res["switch"] == f"{module}.{switch}"
     for arm in ("with", "without"):
         assert len(res["arms"][arm]["per_query_overlap"]) == 3
         assert 0 <= res["arms"][arm]["overlap_at_10"][0] <= 1
     assert res["overlap_at_10_fast_vs_exact"] == res["arms"]["with"]["overlap_at_10"][0]
-    assert re_.main(args)["exact_pass_seconds"] == res["exact_pass_seconds"]
+    assert b.main(args)["exact_pass_seconds"] == res["exact_pass_seconds"]
 
 
 def test_fast_ab_measures_two_option_sets_on_one_slice(index, tiny_corpus, tmp_path, monkeypatch):
