@@ -394,14 +394,16 @@ def reach(reader: Reads, exact: TokenScores, short: Shortlist, done: np.ndarray,
 # them, when those documents tie exactly (bench/attribution/prefix_copies.py measures the agreement with
 # exact with and without)
 PREFIX_COPIES = True
+TIE_RTOL = 1e-6  # exact scores this close are one value computed in two batch shapes
 
 
 def prefix_copies(reader: Reads, scores: TokenScores, seqs: np.ndarray, aggregation: Aggregation, sign: float,
                   n: int) -> TokenScores:
-    """``scores`` and, where two of its ``n`` best documents tie exactly (the same score and tie-break:
-    text they share, a licence header or a repeated document), the best row of each of the ``n`` best
-    copied to every window of ``seqs`` that holds the same input tokens from its start through that
-    row's position and the same target there. The model is causal and reads each window from its own
+    """``scores`` and, where two of its ``n`` best documents tie exactly (the same score and tie-break
+    up to float32 rounding, :data:`TIE_RTOL`: text they share, a licence header or a repeated
+    document), the best row of each of the ``n`` best copied to every window of ``seqs`` that holds
+    the same input tokens from its start through that row's position and the same target there (a
+    window scored already takes the copy's values too, so shared text ties bitwise). The model is causal and reads each window from its own
     start, so it computes that position of such a window exactly as it did the row's: the copy's exact
     score is the row's own. Exact mode scores every copy and keeps the lowest document ids among equal
     scores; without the copies the fast path keeps whichever copies its shortlist happened to hold
@@ -411,9 +413,10 @@ def prefix_copies(reader: Reads, scores: TokenScores, seqs: np.ndarray, aggregat
         return scores
     tot = document_totals(reader, scores, sign)
     at, score, tie = tot.rank(aggregation, sign, len(tot.docs))
-    key = np.stack([score, tie], 1)
-    top = key[:n]
-    if not (top[:, None, :] == key[None, :, :]).all(2).sum(1).max(initial=0) > 1:
+    # equal up to float32 rounding: the re-rank runs windows in batches of different shapes
+    same = np.isclose(score[:n, None], score[None, :], rtol=TIE_RTOL, atol=0) & \
+        np.isclose(tie[:n, None], tie[None, :], rtol=TIE_RTOL, atol=0)
+    if not same.sum(1).max(initial=0) > 1:
         return scores
     src = tot.best_token(aggregation)[at[:n]]  # positions in ``scores``
     rows = scores.tok[src]
@@ -435,15 +438,24 @@ def prefix_copies(reader: Reads, scores: TokenScores, seqs: np.ndarray, aggregat
                 dst.append(c_first[c] + p)
     if not dst:
         return scores
-    dst_a, take_a = np.array(dst, np.int64), np.array(take, np.int64)
-    new = ~np.isin(dst_a, scores.tok)
-    dst_a, u = np.unique(dst_a[new], return_index=True)
-    take_a = take_a[new][u]
-    if not len(dst_a):
-        return scores
-    copies = TokenScores(dst_a, scores.raw[take_a], scores.cos[take_a], scores.protos[take_a],
-                         scores.slot_val[take_a], scores.exact, None if scores.match is None else scores.match[take_a])
-    return concat_scores([scores, copies], reader.k, None if scores.match is None else scores.match.shape[1],
+    # each copy takes the best-ranked source's values (the first); a copy the re-rank scored already
+    # takes them too, so that equal text ties exactly whatever batch it ran in
+    dst_a, first = np.unique(np.array(dst, np.int64), return_index=True)
+    take_a = np.array(take, np.int64)[first]
+    at_s = np.searchsorted(scores.tok, dst_a)
+    had = (at_s < len(scores.tok)) & (scores.tok[np.minimum(at_s, len(scores.tok) - 1)] == dst_a)
+    out = TokenScores(scores.tok, scores.raw.copy(), scores.cos.copy(), scores.protos.copy(), scores.slot_val.copy(),
+                      scores.exact, None if scores.match is None else scores.match.copy())
+    for f in ("raw", "cos", "protos", "slot_val"):
+        getattr(out, f)[at_s[had]] = getattr(scores, f)[take_a[had]]
+    if out.match is not None and scores.match is not None:
+        out.match[at_s[had]] = scores.match[take_a[had]]
+    new, t = dst_a[~had], take_a[~had]
+    if not len(new):
+        return out
+    copies = TokenScores(new, scores.raw[t], scores.cos[t], scores.protos[t], scores.slot_val[t], scores.exact,
+                         None if scores.match is None else scores.match[t])
+    return concat_scores([out, copies], reader.k, None if scores.match is None else scores.match.shape[1],
                          scores.exact)
 
 

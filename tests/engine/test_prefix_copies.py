@@ -82,6 +82,14 @@ def test_copies_reach_exactly_the_windows_that_share_the_text_and_score_as_recom
     again = scoring.exact_scores(att.model, r, q.G, pre, firsts[2:], tokens=new)
     np.testing.assert_allclose(out.cos[np.isin(out.tok, new)], again.cos, rtol=1e-5)
     np.testing.assert_allclose(out.raw[np.isin(out.tok, new)], again.raw, rtol=1e-5)
+    # a window the re-rank scored already, in a batch of another shape: it takes the source's values, so
+    # the text ties exactly whatever the batch's rounding
+    third = scoring.exact_scores(att.model, r, q.G, pre, firsts[2:3])
+    both = scoring.concat_scores([two, third], r.k)
+    out2 = scoring.prefix_copies(r, both, np.arange(r.n_seqs), "cosine_max", 1.0, 2)
+    best2 = two.tok[np.argmax(two.cos)]
+    row3 = out.tok[np.isin(r.seq_of_tokens(out.tok), firsts[2:3]) & np.isin(out.tok, new)]
+    assert len(row3) == 1 and out2.cos[np.searchsorted(out2.tok, row3[0])] == two.cos[two.tok == best2][0]
     # no exact tie among the best: nothing is added; a sum aggregation: nothing either
     lone = scoring.exact_scores(att.model, r, q.G, pre, np.array([0, 1, 2]))
     assert scoring.prefix_copies(r, lone, np.arange(r.n_seqs), "cosine_max", 1.0, 2) is lone
