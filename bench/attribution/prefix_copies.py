@@ -14,8 +14,8 @@ the served defaults with and without, interleaved query by query; strict overlap
 agreement with 95% bootstrap intervals over queries, paired for the difference; seconds per query.
 
     python -m bench.attribution.prefix_copies --index runs/scale/prefix_0005 \\
-        --heldout runs/scale/corpus/part-006.jsonl --seed 5 --exclude 2:24,3:48,4:48 \\
-        --arrays runs/scale/prefix_copies.npz --out bench/results/prefix_copies.json
+        --heldout runs/scale/corpus/part-006.jsonl --seed 6 --exclude 2:24,3:48,4:48,5:48 \\
+        --arrays runs/scale/prefix_copies_report.npz --out bench/results/prefix_copies.json
 """
 
 from __future__ import annotations
