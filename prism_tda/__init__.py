@@ -1,7 +1,16 @@
 """PRISM-TDA: training-data attribution for PRISM prototype language models."""
 
+import os
 import sys
 from importlib.resources import files
+
+# torch's OpenMP workers (GNU libgomp) spin for 300,000 iterations after each parallel region before
+# they sleep: milliseconds in which, on a few cores, they take a core from the compiled scoring and the
+# numpy work that run between torch calls in a query or an index build. 30,000 keeps the spinning
+# between back-to-back torch calls and gives the core back soon after (bench/query_profile.py:
+# p50 80 -> 68 ms on 2 cores, docs/benchmarks.md). Read when torch is first imported, so only if
+# this package is imported first; a value set in the environment is kept.
+os.environ.setdefault("GOMP_SPINCOUNT", "30000")
 
 __version__ = "0.1.0"
 
