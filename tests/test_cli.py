@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 
@@ -191,3 +192,15 @@ def test_control_fit_eval_and_generate_with_it(index, tmp_path, capsys):
     out.write_text("{}")
     assert main(["control", "eval", *args, "--controller", str(out)]) == 2
     assert "ctrl.json" in capsys.readouterr().err
+
+
+def test_importing_the_package_first_sets_the_openmp_spin_count_and_keeps_a_users():
+    """``import prism_tda`` before torch: torch's OpenMP workers spin 30,000 iterations, not libgomp's
+    300,000 (they would hold a core from the compiled scoring); a value in the environment stays."""
+    code = "import os, prism_tda, torch; print(os.environ['GOMP_SPINCOUNT'])"
+    env = {k: v for k, v in os.environ.items() if k != "GOMP_SPINCOUNT"}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "30000"
+    out = subprocess.run([sys.executable, "-c", code], env={**env, "GOMP_SPINCOUNT": "5"}, capture_output=True,
+                         text=True, check=True)
+    assert out.stdout.strip() == "5"
