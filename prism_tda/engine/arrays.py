@@ -15,3 +15,12 @@ def unique(x: np.ndarray) -> np.ndarray:
     keep[0] = True
     np.not_equal(y[1:], y[:-1], out=keep[1:])
     return y[keep]
+
+
+def best_first(value: np.ndarray, tie: np.ndarray, n: int) -> np.ndarray:
+    """Positions of the ``n`` largest ``value`` in order (equal values: the lower ``tie`` first), what
+    ``np.lexsort((tie, -value))[:n]`` gives, sorting only the elements at or above the n-th largest."""
+    at = np.arange(len(value))
+    if len(value) > n > 0:
+        at = at[value >= np.partition(value, len(value) - n)[len(value) - n]]
+    return at[np.lexsort((tie[at], -value[at]))][:n]

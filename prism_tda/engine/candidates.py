@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from .arrays import unique
+from .arrays import best_first, unique
 from .reader import IndexReader, ranges
 from .reads import Reads
 from .scoring import Preconditioner, approx_scores
@@ -99,5 +99,5 @@ def best_posting_tokens(reader: IndexReader, G: torch.Tensor, pre: Preconditione
     if not len(tok):
         return tok, np.zeros(0)
     s = approx_scores(reader, G, pre, tok)
-    top = np.lexsort((s.tok, -s.cos))[:n]
+    top = best_first(s.cos, s.tok, n)
     return s.tok[top], s.cos[top]

@@ -176,3 +176,14 @@ def test_curvature_reads_a_global_damping_of_older_calibrations():
     assert torch.allclose(c.inv(), 1.0 / (lam + 0.25))
     per = Curvature(torch.eye(2), lam, torch.tensor([0.1, 0.2, 0.3]), 10)
     assert torch.allclose(per.inv_sqrt(), (lam + torch.tensor([[0.1], [0.2], [0.3]])).rsqrt())
+
+
+def test_best_first_is_the_full_sorts_head_with_ties_by_the_lower_key():
+    from prism_tda.engine.arrays import best_first
+
+    rng = np.random.default_rng(0)
+    for _ in range(300):
+        m, n = int(rng.integers(0, 200)), int(rng.integers(0, 220))
+        value = rng.choice(rng.normal(size=12), size=m)  # many equal values
+        tie = rng.permutation(10 * m + 1)[:m]
+        assert np.array_equal(best_first(value, tie, n), np.lexsort((tie, -value))[:n])
