@@ -1,4 +1,4 @@
-"""Two settings of the fast path's query options against exact mode on the same held-out queries at
+"""Two settings of the fast path's query options (and first stages) against exact mode on the same held-out queries at
 scale, interleaved query by query: strict overlap@10 and tie-aware agreement with exact, with 95%
 bootstrap intervals over queries (paired for the difference), and seconds per query.
 
@@ -15,13 +15,14 @@ pick a slice of the draw (a tuning or a report split).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 
 import numpy as np
 
 from bench._common import finish
 from bench.attribution.rerank_depth import agreement, arm_summary, ci, draw_args, open_draw
-from prism_tda.engine import QueryOptions, QuerySpec
+from prism_tda.engine import FirstStages, QueryOptions, QuerySpec
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -31,22 +32,28 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--count", type=int, default=48, help="and how many")
     ap.add_argument("--a", type=json.loads, default={}, help="query options of arm a (JSON; {}: the served defaults)")
     ap.add_argument("--b", type=json.loads, required=True, help="query options of arm b (JSON)")
+    ap.add_argument("--stages-a", type=json.loads, default={}, help="first-stage settings of arm a (JSON, FirstStages)")
+    ap.add_argument("--stages-b", type=json.loads, default={}, help="and of arm b")
     ap.add_argument("--out", required=True)
     args = ap.parse_args(argv)
     att, drawn, exact, exact_s, row_of = open_draw(args, args.first + args.count)
     queries, exact = drawn[args.first:], exact[args.first:]
     arms_opt = {"a": args.a, "b": args.b}
+    arms_stages = {"a": FirstStages(**args.stages_a), "b": FirstStages(**args.stages_b)}
     for q in queries[:2]:  # warm up
         att.attribute(QuerySpec(q["prompt"], q["completion"]))
     arms: dict[str, dict[str, list]] = {"a": {}, "b": {}}
     for i, q in enumerate(queries):  # interleaved: one machine state for both arms
         for arm in ("b", "a") if i % 2 else ("a", "b"):
+            att.stages = arms_stages[arm]
             opt = dict(arms_opt[arm])
             depth = int(opt.pop("exact_rerank", QueryOptions().exact_rerank))
             for k, v in agreement(att, [q], exact[i : i + 1], row_of, depth, **opt).items():
                 arms[arm].setdefault(k, []).extend(v)
     rng = np.random.default_rng(0)
-    out = {arm: arm_summary(m, rng, options=arms_opt[arm]) for arm, m in arms.items()}
+    att.stages = FirstStages()
+    out = {arm: arm_summary(m, rng, options=arms_opt[arm], stages=dataclasses.asdict(arms_stages[arm]))
+           for arm, m in arms.items()}
     res = {"index": str(args.index), "tokens": att.reader.n_tokens, "documents": att.reader.n_docs,
            "queries": [q["id"] for q in queries], "seed": args.seed, "exclude": args.exclude,
            "first": args.first, "exact_pass_seconds": round(exact_s, 1), "arms": out,

@@ -271,18 +271,23 @@ def test_switch_benches_measure_both_arms_on_the_same_queries(bench, module, swi
 def test_fast_ab_measures_two_option_sets_on_one_slice(index, tiny_corpus, tmp_path, monkeypatch):
     """bench/attribution/fast_ab.py on the tiny index: both arms on every query of the slice, their
     options as given, the exact pass of the whole draw read back from its arrays."""
+    import dataclasses
+
     import bench.attribution.fast_ab as ab
     import bench.attribution.rerank_depth as rd
+    from prism_tda.engine import FirstStages
 
     short = [("A computer", " is a"), ("Love is", " a"), ("The only way to", " be"), ("Never trust a", " man")]
     monkeypatch.setattr(rd, "draw", lambda heldout, tok, n, *a: [{"prompt": p, "completion": c, "id": str(i)}
                                                                   for i, (p, c) in enumerate(short[:n])])
     args = ["--index", str(index), "--heldout", str(tiny_corpus), "--exclude", "", "--first", "1", "--count", "3",
-            "--b", '{"exact_tokens": 2, "exact_rerank": 4}', "--arrays", str(tmp_path / "x.npz"),
+            "--b", '{"exact_tokens": 2, "exact_rerank": 4}', "--stages-b", '{"row_budget": 1024}',
+            "--arrays", str(tmp_path / "x.npz"),
             "--out", str(tmp_path / "r.json")]
     res = ab.main(args)
     assert res["queries"] == ["1", "2", "3"]
     assert res["arms"]["b"]["options"] == {"exact_tokens": 2, "exact_rerank": 4} and res["arms"]["a"]["options"] == {}
+    assert res["arms"]["b"]["stages"]["row_budget"] == 1024 and res["arms"]["a"]["stages"] == dataclasses.asdict(FirstStages())
     for arm in ("a", "b"):
         assert len(res["arms"][arm]["per_query_overlap"]) == 3
     assert ab.main(args)["exact_pass_seconds"] == res["exact_pass_seconds"]
