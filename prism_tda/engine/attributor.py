@@ -194,14 +194,10 @@ class Attributor:
         more, more_score = list(short.more), list(short.more_score)
         self.reader.prefetch(unique(np.concatenate([np.zeros(0, np.int64), *(u[0] for u in units)])), ctx)
         if ctx is not None and ctx.missing:  # a partial answer: what the missing shards hold is left out
-            gone = np.array(sorted(ctx.missing), dtype=np.int64)
-
-            def held(ids: np.ndarray, base: np.ndarray) -> np.ndarray:
-                return ids[~np.isin(np.searchsorted(base, ids, side="right") - 1, gone)]
-
-            units = [(held(sq, self.reader.seq_base), None if tk is None else held(tk, self.reader.tok_base))
+            seq_base, tok_base = self.reader.seq_base, self.reader.tok_base
+            units = [(sq[ctx.answered(sq, seq_base)], None if tk is None else tk[ctx.answered(tk, tok_base)])
                      for sq, tk in units]
-            kept = [~np.isin(np.searchsorted(self.reader.tok_base, r, side="right") - 1, gone) for r in more]
+            kept = [ctx.answered(r, tok_base) for r in more]
             more, more_score = [r[k] for r, k in zip(more, kept, strict=True)], \
                 [v[k] for v, k in zip(more_score, kept, strict=True)]
 
@@ -267,8 +263,7 @@ class Attributor:
         unless asked otherwise, not taken down, in a shard that answered)."""
         seqs = unique(np.asarray(seqs, np.int64))
         if ctx is not None and ctx.missing:
-            gone = np.array(sorted(ctx.missing), dtype=np.int64)
-            seqs = seqs[~np.isin(np.searchsorted(self.reader.seq_base, seqs, side="right") - 1, gone)]
+            seqs = seqs[ctx.answered(seqs, self.reader.seq_base)]
         if not opt.include_untrained:
             seqs = trained_only(self.reader, seqs)
         return not_removed(self.reader, seqs)

@@ -403,12 +403,13 @@ def prefix_copies(reader: Reads, scores: TokenScores, seqs: np.ndarray, aggregat
     up to float32 rounding, :data:`TIE_RTOL`: text they share, a licence header or a repeated
     document), the best row of each of the ``n`` best copied to every window of ``seqs`` that holds
     the same input tokens from its start through that row's position and the same target there (a
-    window scored already takes the copy's values too, so shared text ties bitwise). The model is causal and reads each window from its own
-    start, so it computes that position of such a window exactly as it did the row's: the copy's exact
-    score is the row's own. Exact mode scores every copy and keeps the lowest document ids among equal
-    scores; without the copies the fast path keeps whichever copies its shortlist happened to hold
-    (their compressed scores differ in the last digits). Max aggregations only (a copied row is one
-    token of its document, which a sum would undercount)."""
+    window scored already takes the copy's values too, so shared text ties bitwise). The model is
+    causal and reads each window from its own start, so it computes that position of such a window
+    exactly as it did the row's: the copy's exact score is the row's own. Exact mode scores every
+    copy and keeps the lowest document ids among equal scores; without the copies the fast path keeps
+    whichever copies its shortlist happened to hold (their compressed scores differ in the last
+    digits). Max aggregations only (a copied row is one token of its document, which a sum would
+    undercount)."""
     if not aggregation.endswith("_max") or not len(scores.tok) or not len(seqs):
         return scores
     tot = document_totals(reader, scores, sign)
@@ -416,7 +417,7 @@ def prefix_copies(reader: Reads, scores: TokenScores, seqs: np.ndarray, aggregat
     # equal up to float32 rounding: the re-rank runs windows in batches of different shapes
     same = np.isclose(score[:n, None], score[None, :], rtol=TIE_RTOL, atol=0) & \
         np.isclose(tie[:n, None], tie[None, :], rtol=TIE_RTOL, atol=0)
-    if not same.sum(1).max(initial=0) > 1:
+    if same.sum(1).max(initial=0) < 2:  # no other document ties with one of the n best
         return scores
     src = tot.best_token(aggregation)[at[:n]]  # positions in ``scores``
     rows = scores.tok[src]
@@ -448,7 +449,7 @@ def prefix_copies(reader: Reads, scores: TokenScores, seqs: np.ndarray, aggregat
                       scores.exact, None if scores.match is None else scores.match.copy())
     for f in ("raw", "cos", "protos", "slot_val"):
         getattr(out, f)[at_s[had]] = getattr(scores, f)[take_a[had]]
-    if out.match is not None and scores.match is not None:
+    if out.match is not None and scores.match is not None:  # (both or neither: for the type checker)
         out.match[at_s[had]] = scores.match[take_a[had]]
     new, t = dst_a[~had], take_a[~had]
     if not len(new):

@@ -126,6 +126,12 @@ class CallContext:
     shortlist_ms: float = 0.0  # scoring the candidates' tokens from the codes, shortlisting documents
     rerank_ms: float = 0.0  # the exact re-rank (the model over the shortlisted sequences) and ranking
 
+    def answered(self, ids: np.ndarray, base: np.ndarray) -> np.ndarray:
+        """Which of ``ids`` (global sequence or token ids; ``base``: each shard's first id) lie in a
+        shard that answered."""
+        gone = np.array(sorted(self.missing), dtype=np.int64)
+        return ~np.isin(np.searchsorted(base, ids, side="right") - 1, gone)
+
 
 @dataclass
 class CallStats:
