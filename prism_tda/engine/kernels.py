@@ -5,8 +5,8 @@ A query column's product with a stored token vector is a sum of table lookups (a
 arrays per hit; here one pass over the rows reads each token's prototypes, activation codes, packed
 codes and direction bit straight from the shard's memory maps and writes the (n, k) terms of its
 score. Equal to the decoded token vectors' scores up to float32 rounding
-(tests/engine/test_kernels.py). Large row sets are cut across threads (:func:`over_rows`: as many as
-torch's intra-op threads).
+(tests/engine/test_kernels.py). The rows of a call are shared across threads (:func:`over_parts`: as
+many as torch's intra-op threads), whether they lie in one shard or a few in each of many.
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ import numpy as np
 from numba import njit
 
 MIN_ROWS_PER_THREAD = 4096
+GATHER_ROWS = 64  # rows whose stored bytes the scoring kernel copies out at once
 
 
 @functools.cache
@@ -27,15 +28,35 @@ def _pool() -> ThreadPoolExecutor:
     return ThreadPoolExecutor(max_workers=os.cpu_count() or 1, thread_name_prefix="prism-kernels")
 
 
-def over_rows(n: int, fn: Callable[[slice], None], threads: int) -> None:
-    """``fn`` over ``n`` rows, cut into up to ``threads`` contiguous slices run at once (the kernels
-    release the GIL), at least ``MIN_ROWS_PER_THREAD`` rows each."""
-    parts = max(1, min(threads, n // MIN_ROWS_PER_THREAD))
-    if parts == 1:
-        fn(slice(0, n))
+def over_parts(sizes: list[int], fn: Callable[[int, slice], None], threads: int) -> None:
+    """``fn(part, rows)`` over parts of ``sizes`` rows each (one shard's rows each, say), run on up to
+    ``threads`` threads at once: a part larger than ``MIN_ROWS_PER_THREAD`` rows per thread is cut into
+    slices, then the pieces are dealt out largest first to the least loaded thread, so many small
+    parts (a query's few hundred rows in each of many shards) share the threads as one large part
+    does."""
+    pieces = []
+    for i, n in enumerate(sizes):
+        cut = max(1, min(threads, n // MIN_ROWS_PER_THREAD))
+        bounds = np.linspace(0, n, cut + 1).astype(int)
+        pieces += [(int(b - a), i, slice(int(a), int(b))) for a, b in zip(bounds[:-1], bounds[1:], strict=True) if b > a]
+    total = sum(p[0] for p in pieces)
+    workers = max(1, min(threads, len(pieces), total // MIN_ROWS_PER_THREAD))
+    if workers == 1:
+        for _, i, sl in pieces:
+            fn(i, sl)
         return
-    bounds = np.linspace(0, n, parts + 1).astype(int)
-    for f in [_pool().submit(fn, slice(a, b)) for a, b in zip(bounds[:-1], bounds[1:], strict=True)]:
+    load = [0] * workers
+    jobs: list[list[tuple[int, slice]]] = [[] for _ in range(workers)]
+    for n, i, sl in sorted(pieces, key=lambda p: -p[0]):
+        w = load.index(min(load))
+        load[w] += n
+        jobs[w].append((i, sl))
+
+    def run(job: list[tuple[int, slice]]) -> None:
+        for i, sl in job:
+            fn(i, sl)
+
+    for f in [_pool().submit(run, job) for job in jobs]:
         f.result()
 
 
@@ -76,48 +97,88 @@ def code_terms(local: np.ndarray, protos: np.ndarray, act_codes: np.ndarray, act
     ds = dir_cent.shape[1] if dir_cent.shape[0] else 0
     has_dirs = code_dir.shape[0] > 0
     code = np.empty(n_sub, np.int64)
-    for i in range(n):
-        r = local[i]
-        hit = False
-        for j in range(k):
-            p = np.int64(protos[r, j])
-            a = act_table[p, act_codes[r, j]]
-            out_protos[i, j] = p
-            out_acts[i, j] = a
-            out_terms[i, j] = 0.0
-            if col[p] >= 0 and a > 0:
-                hit = True
-        if not hit:
-            continue
-        _unpack_row(codes, r, bits, n_sub, code)
-        is_dir = has_dirs and ((code_dir[r >> 3] >> (7 - (r & 7))) & 1) == 1
-        tab = d_tab if is_dir else m_tab
-        length = 1.0
-        if is_dir:  # the direction's I(t, t) at unit length, over every active prototype
-            i_unit = 0.0
+    d = inv.shape[1]
+    w = np.empty(d, np.float64)
+    # rows are read in chunks: first each chunk's stored bytes are copied into small local buffers (a
+    # tight loop of independent loads, so many cache and TLB misses are in flight at once when the rows
+    # lie far apart in a large shard), then computed from there
+    gp = np.empty((GATHER_ROWS, k), protos.dtype)
+    ga = np.empty((GATHER_ROWS, k), act_codes.dtype)
+    gc = np.empty((GATHER_ROWS, codes.shape[1]), codes.dtype)
+    gd = np.zeros(GATHER_ROWS, np.bool_)
+    for c0 in range(0, n, GATHER_ROWS):
+        m = min(GATHER_ROWS, n - c0)
+        for h in range(m):
+            r = local[c0 + h]
             for j in range(k):
-                a = out_acts[i, j]
-                if a <= 0:
-                    continue
-                p = out_protos[i, j]
-                part = 0.0
-                for s in range(n_sub):
-                    for e in range(ds):
-                        x = dir_cent[s * n_cent + code[s], e]
-                        part += x * x * inv[p, s * ds + e]
-                i_unit += a * a * part
-            length = np.sqrt(t_self[i] / max(i_unit, 1e-30))
+                gp[h, j] = protos[r, j]
+                ga[h, j] = act_codes[r, j]
+            for b in range(codes.shape[1]):
+                gc[h, b] = codes[r, b]
+            if has_dirs:
+                gd[h] = ((code_dir[r >> 3] >> (7 - (r & 7))) & 1) == 1
+        for h in range(m):
+            _code_terms_row(c0 + h, h, gp, ga, gc, gd[h], act_table, t_self, targets, bits, n_sub, n_cent, col, m_tab,
+                            y_tab, d_tab, dir_cent, inv, out_protos, out_acts, out_terms, code, w, ds)
+
+
+@njit(cache=True, nogil=True, inline="always")
+def _code_terms_row(i: int, h: int, gp: np.ndarray, ga: np.ndarray, gc: np.ndarray, is_dir: bool, act_table: np.ndarray,
+                    t_self: np.ndarray, targets: np.ndarray, bits: int, n_sub: int, n_cent: int, col: np.ndarray,
+                    m_tab: np.ndarray, y_tab: np.ndarray, d_tab: np.ndarray, dir_cent: np.ndarray, inv: np.ndarray,
+                    out_protos: np.ndarray, out_acts: np.ndarray, out_terms: np.ndarray, code: np.ndarray, w: np.ndarray,
+                    ds: int) -> None:
+    """:func:`code_terms` of its ``i``-th row, whose stored bytes are row ``h`` of the chunk's buffers."""
+    k, d = gp.shape[1], inv.shape[1]
+    hit = False
+    for j in range(k):
+        p = np.int64(gp[h, j])
+        a = act_table[p, ga[h, j]]
+        out_protos[i, j] = p
+        out_acts[i, j] = a
+        out_terms[i, j] = 0.0
+        if col[p] >= 0 and a > 0:
+            hit = True
+    if not hit:
+        return
+    _unpack_row(gc, h, bits, n_sub, code)
+    tab = d_tab if is_dir else m_tab
+    length = 1.0
+    if is_dir:  # the direction's I(t, t) at unit length, over every active prototype: the
+        # curvature's diagonal weighted by the squared activations first (independent sums, which
+        # vectorise), then one product with the squared direction (two running sums)
+        w[:] = 0.0
         for j in range(k):
-            p = out_protos[i, j]
-            c = col[p]
             a = out_acts[i, j]
-            if c < 0 or a <= 0:
+            if a <= 0:
                 continue
-            v = 0.0
-            for s in range(n_sub):
-                v += tab[s, c, code[s]]
-            v = v * length if is_dir else v - y_tab[c, targets[i]]
-            out_terms[i, j] = a * v
+            p = out_protos[i, j]
+            a2 = np.float64(a) * a
+            for e in range(d):
+                w[e] += a2 * inv[p, e]
+        q0 = 0.0
+        q1 = 0.0
+        for s in range(n_sub):
+            base = s * n_cent + code[s]
+            for e in range(0, ds - 1, 2):
+                x, y = dir_cent[base, e], dir_cent[base, e + 1]
+                q0 += x * x * w[s * ds + e]
+                q1 += y * y * w[s * ds + e + 1]
+            if ds % 2:
+                x = dir_cent[base, ds - 1]
+                q0 += x * x * w[s * ds + ds - 1]
+        length = np.sqrt(t_self[i] / max(q0 + q1, 1e-30))
+    for j in range(k):
+        p = out_protos[i, j]
+        c = col[p]
+        a = out_acts[i, j]
+        if c < 0 or a <= 0:
+            continue
+        v = 0.0
+        for s in range(n_sub):
+            v += tab[s, c, code[s]]
+        v = v * length if is_dir else v - y_tab[c, targets[i]]
+        out_terms[i, j] = a * v
 
 
 @njit(cache=True, nogil=True)

@@ -25,7 +25,7 @@ from prism_tda.errors import PrismError
 from . import layout
 from .arrays import unique
 from .curvature import self_influence
-from .kernels import code_terms, over_rows
+from .kernels import code_terms, over_parts
 from .layout import DOC_ROW_GROUP, ShardInfo
 from .reads import IndexWide
 
@@ -40,6 +40,13 @@ def open_faiss(path: Path):
         return faiss.read_index(str(path), faiss.IO_FLAG_MMAP | faiss.IO_FLAG_READ_ONLY)
     except RuntimeError:
         return faiss.read_index(str(path))
+
+
+def _mapped(f: Path) -> np.ndarray:
+    """An array file memory-mapped read-only, as a plain array over the map (the map lives as long as
+    the array or a view of it; plain arrays index without ``np.memmap``'s per-call bookkeeping, which
+    a query over many shards pays thousands of times)."""
+    return np.asarray(np.load(f, mmap_mode="r"))
 
 
 class Shard:
@@ -65,10 +72,10 @@ class Shard:
             f = layout.array_file(path, name)
             if not f.is_file():
                 raise PrismError(f"{f}: missing (rebuild the shard: delete {path} and run `prism index` again)")
-            setattr(self, name, np.load(f, mmap_mode="r"))
+            setattr(self, name, _mapped(f))
         for name in layout.OPTIONAL_ARRAYS:
             f = layout.array_file(path, name)
-            setattr(self, name, np.load(f, mmap_mode="r") if f.is_file() else None)
+            setattr(self, name, _mapped(f) if f.is_file() else None)
         self.faiss = open_faiss(path / layout.SHARD_FAISS)
         self._docs = pq.ParquetFile(path / layout.DOCUMENTS)
         # one Parquet reader must not be read from two threads at once (pyarrow crashes the process)
@@ -174,11 +181,14 @@ class IndexReader(IndexWide):
         if len(sh) and sh.min() == sh.max():  # one shard (the usual case)
             s = int(sh[0])
             return [(s, np.arange(len(rows)), rows - base[s])]
-        out = []
-        for s in unique(sh):
-            at = np.nonzero(sh == s)[0]
-            out.append((int(s), at, rows[at] - base[s]))
-        return out
+        if not len(sh):
+            return []
+        # grouped by shard in one stable sort (none when the ids ascend), positions ascending in each
+        order = np.arange(len(sh)) if bool((sh[1:] >= sh[:-1]).all()) else np.argsort(sh, kind="stable")
+        ss = sh[order]
+        cuts = np.flatnonzero(ss[1:] != ss[:-1]) + 1
+        return [(int(ss[a]), order[a:b], rows[order[a:b]] - base[ss[a]])
+                for a, b in zip(np.r_[0, cuts], np.r_[cuts, len(ss)], strict=True)]
 
     def token_data(self, tok: np.ndarray) -> TokenData:
         n, k = len(tok), self.k
@@ -206,24 +216,28 @@ class IndexReader(IndexWide):
         n_cent = 1 << codec.bits
         dir_cent = np.zeros((0, 0), np.float32) if codec.flat_dir_centroids is None else codec.flat_dir_centroids.numpy()
         d_tab = np.zeros((0, 0, 0), np.float32) if d_tab is None else d_tab
+        split = self._split(tok, self.tok_base)
         parts = []
-        for s, at, local in self._split(tok, self.tok_base):
-            sh = self.shard(s)
-            tg = sh.targets(local)
-            t_self = sh.self[local].astype(np.float64) * sh.info.self_scale
-            code_dir = np.zeros(0, np.uint8) if sh.code_dir is None else np.asarray(sh.code_dir)
+        for _, at, local in split:
             m = len(local)
-            p_, a_, v_ = np.empty((m, k), np.int64), np.empty((m, k), np.float32), np.empty((m, k), np.float32)
-            rows = np.ascontiguousarray(local, np.int64)
-            sp, sa, sc = np.asarray(sh.protos), np.asarray(sh.acts), np.asarray(sh.codes)
+            parts.append((at, np.empty((m, k), np.int64), np.empty((m, k), np.float32), np.empty(m),
+                          np.empty(m, np.int64), np.empty((m, k), np.float32)))
 
-            def part(at: slice, rows=rows, sp=sp, sa=sa, sc=sc, code_dir=code_dir, t_self=t_self, tg=tg, p_=p_, a_=a_,
-                     v_=v_) -> None:
-                code_terms(rows[at], sp, sa, self.act_table, sc, code_dir, t_self[at], tg[at], codec.bits,
-                           codec.n_sub, n_cent, col, m_tab, y_tab, d_tab, dir_cent, inv, p_[at], a_[at], v_[at])
+        def part(i: int, sl: slice) -> None:
+            """The rows ``sl`` of the ``i``-th shard's part: their targets, stored ``I(t, t)`` and terms
+            (every shard's part on the threads at once: at many shards each holds few of the rows)."""
+            s, _, local = split[i]
+            _, p_, a_, t_self, tg, v_ = parts[i]
+            sh = self.shard(s)
+            rows = np.ascontiguousarray(local[sl], np.int64)
+            tg[sl] = sh.targets(rows)
+            t_self[sl] = sh.self[rows].astype(np.float64) * sh.info.self_scale
+            code_dir = np.zeros(0, np.uint8) if sh.code_dir is None else np.asarray(sh.code_dir)
+            code_terms(rows, np.asarray(sh.protos), np.asarray(sh.acts), self.act_table, np.asarray(sh.codes), code_dir,
+                       t_self[sl], tg[sl], codec.bits, codec.n_sub, n_cent, col, m_tab, y_tab, d_tab, dir_cent, inv,
+                       p_[sl], a_[sl], v_[sl])
 
-            over_rows(m, part, torch.get_num_threads())
-            parts.append((at, p_, a_, t_self, tg, v_))
+        over_parts([len(local) for _, _, local in split], part, torch.get_num_threads())
         if len(parts) == 1:  # one shard: its arrays are the answer
             _, protos, acts, self_inf, targets, terms = parts[0]
         else:

@@ -4,15 +4,16 @@ computations they replace."""
 from __future__ import annotations
 
 import itertools
+import threading
 
 import numpy as np
 import pytest
 import torch
 
-from prism_tda.engine import Attributor, QueryOptions, QuerySpec
+from prism_tda.engine import Attributor, QueryOptions, QuerySpec, kernels
 from prism_tda.engine.aggregate import best_of_groups
 from prism_tda.engine.codec import TABLES_BYTES, pack, unpack
-from prism_tda.engine.kernels import _unpack_row
+from prism_tda.engine.kernels import _unpack_row, over_parts
 from prism_tda.engine.scoring import approx_scores, score_tokens
 from prism_tda.engine.tokens import WIDTH_STEP, length_batches, width_batches
 from prism_tda.indexer.run import build_index
@@ -81,6 +82,43 @@ def test_compiled_scores_are_the_decoded_vectors_scores(att12):
         np.testing.assert_allclose(ap.slot_val, dec.slot_val, rtol=1e-3, atol=1e-5 * np.abs(dec.slot_val).max())
         np.testing.assert_allclose(ap.cos, dec.cos, rtol=1e-3, atol=1e-5)
         assert (ap.slot_val != 0).any(1).sum() > 10
+
+
+@pytest.mark.parametrize("threads", [1, 2, 3, 8])
+def test_parts_are_each_covered_once_on_threads(monkeypatch, threads):
+    monkeypatch.setattr(kernels, "MIN_ROWS_PER_THREAD", 4)
+    sizes = [0, 3, 40, 1, 17, 0, 64]
+    seen = [np.zeros(n, np.int64) for n in sizes]
+    who: set[str] = set()
+
+    def visit(i: int, sl: slice) -> None:
+        who.add(threading.current_thread().name)
+        seen[i][sl] += 1
+
+    over_parts(sizes, visit, threads)
+    assert all((v == 1).all() for v in seen)
+    # one thread: the caller's own; more: the pool's (as many at once as asked, at most)
+    assert all(w.startswith("prism-kernels") for w in who) == (threads > 1)
+
+
+def test_scores_over_many_shards_on_threads_equal_one_thread(att12, monkeypatch):
+    """Every shard's rows on the threads at once (as at many shards, each with a few hundred of a
+    query's rows) gives the one-thread answer bitwise, rows in their own order."""
+    r, pre = att12.reader, att12.preconditioner()
+    tok = np.arange(1, r.n_tokens, 2)
+    assert len(np.unique(np.searchsorted(r.tok_base, tok, side="right"))) > 2
+    q = att12.encode(QuerySpec("A computer", " is a"))
+    old = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = approx_scores(r, q.G, pre, tok)
+        monkeypatch.setattr(kernels, "MIN_ROWS_PER_THREAD", 16)
+        torch.set_num_threads(3)
+        many = approx_scores(r, q.G, pre, tok)
+    finally:
+        torch.set_num_threads(old)
+    for f in ("tok", "protos", "slot_val", "raw", "cos"):
+        assert np.array_equal(getattr(one, f), getattr(many, f)), f
 
 
 def test_adaptive_rerank_recomputes_fewer_documents_for_the_same_top(att12):
