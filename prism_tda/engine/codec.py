@@ -81,7 +81,9 @@ def unpack_torch(packed: np.ndarray, bits: int, n_sub: int) -> torch.Tensor:
 
 
 ENCODE_BLOCK_BYTES = 256 << 20  # the (n_sub, rows, 2^bits) distance block of one chunk of the torch encoder
-TABLES_BYTES = 32 << 20  # lookup tables kept for the next call with the same columns (0.5 MB per column)
+# lookup tables kept for the next call with the same columns (0.5 MB per column): a query's first stage
+# and shortlist ask for the same ones, and a 16-token completion reaches ~128 columns, 64 MB
+TABLES_BYTES = 96 << 20
 
 
 @dataclass

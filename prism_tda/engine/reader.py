@@ -218,20 +218,19 @@ class IndexReader(IndexWide):
         d_tab = np.zeros((0, 0, 0), np.float32) if d_tab is None else d_tab
         split = self._split(tok, self.tok_base)
         parts = []
-        for _, at, local in split:
-            m = len(local)
-            parts.append((at, np.empty((m, k), np.int64), np.empty((m, k), np.float32), np.empty(m),
-                          np.empty(m, np.int64), np.empty((m, k), np.float32)))
+        for s, at, local in split:
+            m, sh = len(local), self.shard(s)
+            parts.append((at, np.empty((m, k), np.int64), np.empty((m, k), np.float32),
+                          sh.self[local].astype(np.float64) * sh.info.self_scale, sh.targets(local),
+                          np.empty((m, k), np.float32)))
 
         def part(i: int, sl: slice) -> None:
-            """The rows ``sl`` of the ``i``-th shard's part: their targets, stored ``I(t, t)`` and terms
-            (every shard's part on the threads at once: at many shards each holds few of the rows)."""
+            """The terms of the rows ``sl`` of the ``i``-th shard's part (every shard's part on the threads
+            at once: at many shards each holds few of the rows)."""
             s, _, local = split[i]
             _, p_, a_, t_self, tg, v_ = parts[i]
             sh = self.shard(s)
             rows = np.ascontiguousarray(local[sl], np.int64)
-            tg[sl] = sh.targets(rows)
-            t_self[sl] = sh.self[rows].astype(np.float64) * sh.info.self_scale
             code_dir = np.zeros(0, np.uint8) if sh.code_dir is None else np.asarray(sh.code_dir)
             code_terms(rows, np.asarray(sh.protos), np.asarray(sh.acts), self.act_table, np.asarray(sh.codes), code_dir,
                        t_self[sl], tg[sl], codec.bits, codec.n_sub, n_cent, col, m_tab, y_tab, d_tab, dir_cent, inv,
