@@ -11,10 +11,6 @@ from importlib.resources import files
 # p50 80 -> 68 ms on 2 cores, docs/benchmarks.md). Read when torch is first imported, so only if
 # this package is imported first; a value set in the environment is kept.
 os.environ.setdefault("GOMP_SPINCOUNT", "30000")
-# torch's CPU allocator backs allocations of 2 MB and more with transparent huge pages when asked: a
-# query's lookup tables (tens of MB, fresh each query) then fault in 2 MB pages rather than 4 KB ones
-# (25 -> 14 ms for 128 columns' tables on 2 cores). Read at torch's first large allocation.
-os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")
 
 __version__ = "0.1.0"
 
