@@ -21,6 +21,9 @@ from numba import njit
 
 MIN_ROWS_PER_THREAD = 4096
 GATHER_ROWS = 64  # rows whose stored bytes the scoring kernel copies out at once
+# the scoring kernel copies rows out first in shards of at least this many tokens, whose codes (24
+# bytes a token at the defaults) outgrow the cache (docs/benchmarks.md, "Queries over many shards")
+GATHER_MIN_ROWS = 1 << 21
 
 
 @functools.cache
@@ -81,7 +84,7 @@ def code_terms(local: np.ndarray, protos: np.ndarray, act_codes: np.ndarray, act
                codes: np.ndarray, code_dir: np.ndarray, t_self: np.ndarray, targets: np.ndarray, bits: int,
                n_sub: int, n_cent: int, col: np.ndarray, m_tab: np.ndarray, y_tab: np.ndarray, d_tab: np.ndarray,
                dir_cent: np.ndarray, inv: np.ndarray, out_protos: np.ndarray, out_acts: np.ndarray,
-               out_terms: np.ndarray) -> None:
+               out_terms: np.ndarray, gather: bool = False) -> None:
     """For the shard rows ``local`` (n,), with their stored ``I(t, t)`` (``t_self``) and targets: each
     one's active prototypes (``out_protos``), activations (``out_acts``, from the codes through
     ``act_table`` (K, 256)) and each slot's term ``a_{t,i} Wq_i . Q^T u_t`` of its score
@@ -92,16 +95,25 @@ def code_terms(local: np.ndarray, protos: np.ndarray, act_codes: np.ndarray, act
     sub-quantiser. A token coded by ``m_t`` scores ``sum_s m_tab[s, c, code_s] - y_tab[c, y_t]``; one
     coded by its direction (bit set in ``code_dir``, packed big-endian per byte; empty: none) scores
     ``length * sum_s d_tab[s, c, code_s]``, the length being the one that gives its decoded direction
-    (``dir_cent`` (n_sub * n_cent, d_sub)) the stored ``I(t, t)`` under ``inv`` (K, d)."""
+    (``dir_cent`` (n_sub * n_cent, d_sub)) the stored ``I(t, t)`` under ``inv`` (K, d). ``gather``: copy
+    each chunk of rows' stored bytes out before computing them (:data:`GATHER_MIN_ROWS`); the same
+    result either way."""
     n, k = len(local), protos.shape[1]
     ds = dir_cent.shape[1] if dir_cent.shape[0] else 0
     has_dirs = code_dir.shape[0] > 0
     code = np.empty(n_sub, np.int64)
     d = inv.shape[1]
     w = np.empty(d, np.float64)
-    # rows are read in chunks: first each chunk's stored bytes are copied into small local buffers (a
-    # tight loop of independent loads, so many cache and TLB misses are in flight at once when the rows
-    # lie far apart in a large shard), then computed from there
+    if not gather:  # a small shard: its arrays stay in cache, read them in place
+        for i in range(n):
+            r = local[i]
+            is_dir = has_dirs and ((code_dir[r >> 3] >> (7 - (r & 7))) & 1) == 1
+            _code_terms_row(i, r, protos, act_codes, codes, is_dir, act_table, t_self, targets, bits, n_sub, n_cent,
+                            col, m_tab, y_tab, d_tab, dir_cent, inv, out_protos, out_acts, out_terms, code, w, ds)
+        return
+    # a large shard: rows are read in chunks, first each chunk's stored bytes copied into small local
+    # buffers (a tight loop of independent loads, so many cache and TLB misses are in flight at once
+    # when the rows lie far apart), then computed from there
     gp = np.empty((GATHER_ROWS, k), protos.dtype)
     ga = np.empty((GATHER_ROWS, k), act_codes.dtype)
     gc = np.empty((GATHER_ROWS, codes.shape[1]), codes.dtype)
@@ -128,7 +140,8 @@ def _code_terms_row(i: int, h: int, gp: np.ndarray, ga: np.ndarray, gc: np.ndarr
                     m_tab: np.ndarray, y_tab: np.ndarray, d_tab: np.ndarray, dir_cent: np.ndarray, inv: np.ndarray,
                     out_protos: np.ndarray, out_acts: np.ndarray, out_terms: np.ndarray, code: np.ndarray, w: np.ndarray,
                     ds: int) -> None:
-    """:func:`code_terms` of its ``i``-th row, whose stored bytes are row ``h`` of the chunk's buffers."""
+    """:func:`code_terms` of its ``i``-th row, whose stored bytes are row ``h`` of ``gp``, ``ga``, ``gc``: the
+    chunk's buffers, or the shard's arrays themselves."""
     k, d = gp.shape[1], inv.shape[1]
     hit = False
     for j in range(k):

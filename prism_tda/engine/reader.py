@@ -22,7 +22,7 @@ import torch
 
 from prism_tda.errors import PrismError
 
-from . import layout
+from . import kernels, layout
 from .arrays import unique
 from .curvature import self_influence
 from .kernels import code_terms, over_parts
@@ -234,7 +234,7 @@ class IndexReader(IndexWide):
             code_dir = np.zeros(0, np.uint8) if sh.code_dir is None else np.asarray(sh.code_dir)
             code_terms(rows, np.asarray(sh.protos), np.asarray(sh.acts), self.act_table, np.asarray(sh.codes), code_dir,
                        t_self[sl], tg[sl], codec.bits, codec.n_sub, n_cent, col, m_tab, y_tab, d_tab, dir_cent, inv,
-                       p_[sl], a_[sl], v_[sl])
+                       p_[sl], a_[sl], v_[sl], len(sh.protos) >= kernels.GATHER_MIN_ROWS)
 
         over_parts([len(local) for _, _, local in split], part, torch.get_num_threads())
         if len(parts) == 1:  # one shard: its arrays are the answer

@@ -121,6 +121,23 @@ def test_scores_over_many_shards_on_threads_equal_one_thread(att12, monkeypatch)
         assert np.array_equal(getattr(one, f), getattr(many, f)), f
 
 
+def test_rows_copied_out_first_score_as_rows_read_in_place(att12, monkeypatch):
+    """The large-shard path (each chunk's stored bytes copied out, then computed) gives the in-place
+    path's answer bitwise, over chunk boundaries and both kinds of codes."""
+    r, pre = att12.reader, att12.preconditioner()
+    tok = np.arange(r.n_tokens)
+    dirs = r.token_code_dirs(tok)
+    q = att12.encode(QuerySpec("The", " cat sat on the mat."))
+    assert all(len(sh.protos) < kernels.GATHER_MIN_ROWS for sh in r.shards)
+    in_place = approx_scores(r, q.G, pre, tok)
+    hits = (in_place.slot_val != 0).any(1)
+    assert hits.sum() > 3 * kernels.GATHER_ROWS and (hits & dirs).sum() >= 5  # both kinds of codes scored
+    monkeypatch.setattr(kernels, "GATHER_MIN_ROWS", 0)
+    copied = approx_scores(r, q.G, pre, tok)
+    for f in ("protos", "slot_val", "raw", "cos"):
+        assert np.array_equal(getattr(in_place, f), getattr(copied, f)), f
+
+
 def test_adaptive_rerank_recomputes_fewer_documents_for_the_same_top(att12):
     agree, fewer = [], []
     for spec in [QuerySpec("A computer", " is a"), QuerySpec("Love is", " a"), QuerySpec("The only way", " to"),
