@@ -107,7 +107,7 @@ def code_terms(local: np.ndarray, protos: np.ndarray, act_codes: np.ndarray, act
     if not gather:  # a small shard: its arrays stay in cache, read them in place
         for i in range(n):
             r = local[i]
-            is_dir = has_dirs and ((code_dir[r >> 3] >> (7 - (r & 7))) & 1) == 1
+            is_dir = has_dirs and _dir_bit(code_dir, r)
             _code_terms_row(i, r, protos, act_codes, codes, is_dir, act_table, t_self, targets, bits, n_sub, n_cent,
                             col, m_tab, y_tab, d_tab, dir_cent, inv, out_protos, out_acts, out_terms, code, w, ds)
         return
@@ -128,10 +128,16 @@ def code_terms(local: np.ndarray, protos: np.ndarray, act_codes: np.ndarray, act
             for b in range(codes.shape[1]):
                 gc[h, b] = codes[r, b]
             if has_dirs:
-                gd[h] = ((code_dir[r >> 3] >> (7 - (r & 7))) & 1) == 1
+                gd[h] = _dir_bit(code_dir, r)
         for h in range(m):
             _code_terms_row(c0 + h, h, gp, ga, gc, gd[h], act_table, t_self, targets, bits, n_sub, n_cent, col, m_tab,
                             y_tab, d_tab, dir_cent, inv, out_protos, out_acts, out_terms, code, w, ds)
+
+
+@njit(cache=True, nogil=True, inline="always")
+def _dir_bit(code_dir: np.ndarray, r: int) -> bool:
+    """Whether row ``r`` stores the codes of its direction (``code_dir``: bits packed big-endian per byte)."""
+    return ((code_dir[r >> 3] >> (7 - (r & 7))) & 1) == 1
 
 
 @njit(cache=True, nogil=True, inline="always")

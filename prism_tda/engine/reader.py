@@ -178,11 +178,11 @@ class IndexReader(IndexWide):
     def _split(self, rows: np.ndarray, base: np.ndarray) -> list[tuple[int, np.ndarray, np.ndarray]]:
         """(shard, positions in ``rows``, local ids) for the global ids ``rows`` per shard."""
         sh = np.searchsorted(base, rows, side="right") - 1
-        if len(sh) and sh.min() == sh.max():  # one shard (the usual case)
-            s = int(sh[0])
-            return [(s, np.arange(len(rows)), rows - base[s])]
         if not len(sh):
             return []
+        if sh.min() == sh.max():  # one shard (the usual case)
+            s = int(sh[0])
+            return [(s, np.arange(len(rows)), rows - base[s])]
         # grouped by shard in one stable sort (none when the ids ascend), positions ascending in each
         order = np.arange(len(sh)) if bool((sh[1:] >= sh[:-1]).all()) else np.argsort(sh, kind="stable")
         ss = sh[order]
@@ -231,8 +231,8 @@ class IndexReader(IndexWide):
             _, p_, a_, t_self, tg, v_ = parts[i]
             sh = self.shard(s)
             rows = np.ascontiguousarray(local[sl], np.int64)
-            code_dir = np.zeros(0, np.uint8) if sh.code_dir is None else np.asarray(sh.code_dir)
-            code_terms(rows, np.asarray(sh.protos), np.asarray(sh.acts), self.act_table, np.asarray(sh.codes), code_dir,
+            code_dir = np.zeros(0, np.uint8) if sh.code_dir is None else sh.code_dir
+            code_terms(rows, sh.protos, sh.acts, self.act_table, sh.codes, code_dir,
                        t_self[sl], tg[sl], codec.bits, codec.n_sub, n_cent, col, m_tab, y_tab, d_tab, dir_cent, inv,
                        p_[sl], a_[sl], v_[sl], len(sh.protos) >= kernels.GATHER_MIN_ROWS)
 

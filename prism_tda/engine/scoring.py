@@ -303,10 +303,11 @@ def token_docs(reader: Reads, scores: TokenScores) -> np.ndarray:
     return reader.doc_of_seqs(reader.seq_of_tokens(scores.tok))
 
 
-def document_totals(reader: Reads, scores: TokenScores, sign: float) -> DocumentTotals:
+def document_totals(reader: Reads, scores: TokenScores, sign: float, docs: np.ndarray | None = None) -> DocumentTotals:
     """The per-document totals of a list of scored tokens (``engine/aggregate.py``); a token is named
-    by its position in ``scores``."""
-    return DocumentTotals.of_tokens(token_docs(reader, scores), scores.cos, scores.raw, sign, scores.match)
+    by its position in ``scores`` (``docs``: each token's document, when the caller has them)."""
+    return DocumentTotals.of_tokens(token_docs(reader, scores) if docs is None else docs, scores.cos, scores.raw, sign,
+                                    scores.match)
 
 
 def document_scores(reader: Reads, scores: TokenScores) -> dict[Aggregation, np.ndarray]:
@@ -315,20 +316,20 @@ def document_scores(reader: Reads, scores: TokenScores) -> dict[Aggregation, np.
 
 
 def _ranked(reader: Reads, scores: TokenScores, aggregation: Aggregation, sign: float,
-            n: int) -> tuple[DocumentTotals, np.ndarray, np.ndarray, np.ndarray]:
+            n: int, docs: np.ndarray | None = None) -> tuple[DocumentTotals, np.ndarray, np.ndarray, np.ndarray]:
     if aggregation == "cosine_match" and scores.match is None:
         raise ValueError("cosine_match needs the target tokens' cosines (TokenScores.match)")
-    tot = document_totals(reader, scores, sign)
+    tot = document_totals(reader, scores, sign, docs)
     at, score, tie = tot.rank(aggregation, sign, n)
     return tot, tot.best_token(aggregation)[at], score, tie
 
 
 def ranked_documents(reader: Reads, scores: TokenScores, aggregation: Aggregation, *, sign: float,
-                     n: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+                     n: int, docs: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """(index into ``scores.tok`` of each document's best token, document score, tie-break measure) of
     the ``n`` best documents, best first (``DocumentTotals.rank``: the order parts ranked apart merge
-    by, ``engine/shards.py``)."""
-    return _ranked(reader, scores, aggregation, sign, n)[1:]
+    by, ``engine/shards.py``); ``docs``: each token's document, when the caller has them."""
+    return _ranked(reader, scores, aggregation, sign, n, docs)[1:]
 
 
 def rank_documents_with_ties(reader: Reads, scores: TokenScores, aggregation: Aggregation, *, opponents: bool,

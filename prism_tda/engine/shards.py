@@ -165,14 +165,15 @@ def best_rows_per_sequence(reader: IndexReader, approx: TokenScores, seqs: np.nd
 
 
 def best_rows_elsewhere(reader: IndexReader, approx: TokenScores, docs: np.ndarray, best_seq: np.ndarray,
-                        m: int | np.ndarray, sign: float, value: np.ndarray,
-                        tok_seq: np.ndarray | None = None) -> tuple[list[np.ndarray], list[np.ndarray]]:
+                        m: int | np.ndarray, sign: float, value: np.ndarray, tok_seq: np.ndarray | None = None,
+                        tok_doc: np.ndarray | None = None) -> tuple[list[np.ndarray], list[np.ndarray]]:
     """For each document of ``docs`` (distinct), the rows of its ``m`` best tokens (``m``: one number,
     or one per document) among ``approx`` outside its best sequence ``best_seq`` by ``sign`` x ``value``
     (each row's approximate cosine or raw score; equal values: the lower row), best first, and their
-    values, in one sort (``tok_seq``: each row's sequence, when the caller has it)."""
+    values, in one sort (``tok_seq``, ``tok_doc``: each row's sequence and document, when the caller has
+    them)."""
     tok_seq = reader.seq_of_tokens(approx.tok) if tok_seq is None else tok_seq
-    tok_doc = reader.doc_of_seqs(tok_seq)
+    tok_doc = reader.doc_of_seqs(tok_seq) if tok_doc is None else tok_doc
     order = np.argsort(docs, kind="stable")
     at = np.minimum(np.searchsorted(docs[order], tok_doc), max(len(docs) - 1, 0))
     keep = np.nonzero((docs[order][at] == tok_doc) & (best_seq[order][at] != tok_seq))[0] if len(docs) \
@@ -252,10 +253,10 @@ class ShardWorker:
         seqs = not_removed(reader, seqs)
         approx = approx_scores(reader, G, pre, reader.rows_of_sequences(seqs), match=match)
         sign = -1.0 if opponents else 1.0
-        best, score, tie = ranked_documents(reader, approx, aggregation, sign=sign, n=n)
-        tok_seq = reader.seq_of_tokens(approx.tok)  # each scored row's sequence
-        best_seq = tok_seq[best] if len(best) else np.zeros(0, np.int64)
-        docs = reader.doc_of_seqs(best_seq)
+        tok_seq = reader.seq_of_tokens(approx.tok)  # each scored row's sequence and document, read once
+        tok_doc = reader.doc_of_seqs(tok_seq)
+        best, score, tie = ranked_documents(reader, approx, aggregation, sign=sign, n=n, docs=tok_doc)
+        best_seq, docs = tok_seq[best], tok_doc[best]
         tokens = best_rows_per_sequence(reader, approx, best_seq, m, sign, tok_seq) if m is not None and len(best_seq) \
             else [np.zeros(0, np.int64) for _ in best_seq]
         match_seqs = [np.zeros(0, np.int64) for _ in best_seq]
@@ -271,7 +272,7 @@ class ShardWorker:
                 cap = m
             more, more_score = best_rows_elsewhere(reader, approx, docs, best_seq, cap, sign,
                                                    approx.cos if aggregation.startswith("cosine") else approx.raw,
-                                                   tok_seq)
+                                                   tok_seq, tok_doc)
         self._done("shortlist", t0, started, len(approx.tok))
         return Shortlist(docs, score, tie, best_seq, tokens, match_seqs, len(approx.tok), more, more_score)
 
