@@ -52,7 +52,10 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--boot", type=int, default=2000)
     ap.add_argument("--out", default="bench/results/attribution_influence_tune.json")
     ap.add_argument("--merge-into", help="also write the report's LDS keys into this results file "
-                                         "(bench/results/attribution.json) under fresh_split_influence")
+                                         "(bench/results/attribution.json) under --merge-key")
+    ap.add_argument("--merge-key", default="fresh_split_influence",
+                    help="the block of the results file to write (one per fresh split: "
+                         "fresh_split_influence is seed 4's, fresh_split_influence_seed6 seed 6's)")
     args = ap.parse_args(argv)
     import torch
 
@@ -128,12 +131,13 @@ def main(argv: list[str] | None = None) -> dict:
     res["influence_damping_best_here"] = best
     out = finish(res, "attribution/influence_lds.py", argv, args.out)
     if args.merge_into:
-        merge(Path(args.merge_into), out, args.out)
+        merge(Path(args.merge_into), out, args.out, args.merge_key)
     return out
 
 
-def merge(path: Path, res: dict, source: str) -> None:
-    """The fresh split's LDS keys of ``res`` into the results file ``path`` (the rest of it unchanged)."""
+def merge(path: Path, res: dict, source: str, key: str = "fresh_split_influence") -> None:
+    """The fresh split's LDS keys of ``res`` into the block ``key`` of the results file ``path`` (the rest
+    of it unchanged)."""
     att = json.loads(path.read_text())
     served = res["prism_fast_influence"][f"{res['influence_damping_served']:g}"]
     block = {"lds_prism_fast_influence": served["lds"][0], "lds_prism_fast_influence_ci": served["lds"],
@@ -148,7 +152,7 @@ def merge(path: Path, res: dict, source: str) -> None:
              "seconds_per_query_median": res["seconds_per_query_median"],
              "split": {k: res[k] for k in ("work", "subsets", "queries", "documents", "returned")},
              "source": source, "date": res.get("date")}
-    att["fresh_split_influence"] = block
+    att[key] = block
     path.write_text(json.dumps(att, indent=2) + "\n")
 
 

@@ -339,10 +339,9 @@ def main(argv: list[str] | None = None) -> dict:
                         "query_kinds": ["verbatim", "heldout"], "bootstrap_draws": args.boot,
                         "interval": "95% percentile bootstrap; each draw resamples subsets and queries"}
     out.pop("speedup_vs_ekfac_per_query", None)
-    # a fresh split's report written into the same file by influence_lds.py --merge-into stays
+    # the fresh splits' reports written into the same file by influence_lds.py --merge-into stay
     prev = json.loads(Path(args.out).read_text()) if Path(args.out).exists() else {}
-    if "fresh_split_influence" in prev:
-        out["fresh_split_influence"] = prev["fresh_split_influence"]
+    out.update({k: v for k, v in prev.items() if k.startswith("fresh_split_influence")})
     return finish(out, "attribution/lds_report.py", argv, args.out)
 
 

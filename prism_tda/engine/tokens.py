@@ -115,10 +115,10 @@ def run_batch(
         keep[torch.from_numpy(np.repeat(np.arange(B), [len(p) for p in positions])), torch.from_numpy(at)] = True
         mask &= keep
     x, y, mask = x.to(device), y.to(device), mask.to(device)
-    with autocast or contextlib.nullcontext():
-        z = model.hidden(x)  # (B, T, d)
     rows, pos = mask.nonzero(as_tuple=True)
-    zv = z[rows, pos].float()  # (N, d)
+    with autocast or contextlib.nullcontext():
+        # with positions, the last block runs only where a quantity is wanted
+        zv = (model.hidden(x)[rows, pos] if positions is None else model.hidden_at(x, rows, pos)).float()  # (N, d)
     yv = y[rows, pos]
     h = model.head(zv)
     W = model.W.float()

@@ -241,6 +241,41 @@ class PRISM(nn.Module):
             x = block(x)
         return self.ln_f(x)
 
+    def hidden_at(self, idx: torch.Tensor, rows: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+        """Final hidden states (N, d) at the positions ``(rows[n], pos[n])`` only, equal to
+        ``hidden(idx)[rows, pos]`` up to rounding: every block but the last runs on every position (the
+        last one's keys and values need them), the last block's attention, projection and MLP only at
+        the positions asked for. Costs about one block less than ``hidden`` when few positions are
+        asked for (the re-rank's handful per sequence)."""
+        B, T = idx.shape
+        if T > self.cfg.block_size:
+            raise ValueError(f"sequence length {T} exceeds block_size {self.cfg.block_size}")
+        x = self.drop(self.wte(idx) + self.wpe(torch.arange(T, device=idx.device)))
+        for block in self.blocks[:-1]:
+            x = block(x)
+        last = self.blocks[-1]
+        attn = last.attn
+        C, nh = x.shape[-1], attn.n_head
+        q, k, v = attn.qkv(last.ln1(x)).split(C, dim=2)
+        # the wanted positions of each sequence, padded to the most any sequence has (Tq)
+        counts = torch.bincount(rows, minlength=B)
+        Tq = int(counts.max()) if len(rows) else 0
+        slot = torch.arange(len(rows), device=idx.device) - torch.repeat_interleave(
+            torch.cumsum(counts, 0) - counts, counts)  # rows are grouped by sequence
+        qpos = torch.zeros(B, Tq, dtype=torch.long, device=idx.device)
+        qpos[rows, slot] = pos
+        qq = q.gather(1, qpos[..., None].expand(B, Tq, C))  # (B, Tq, C)
+        allowed = torch.arange(T, device=idx.device)[None, None, :] <= qpos[:, :, None]  # (B, Tq, T): causal
+
+        def heads(t: torch.Tensor) -> torch.Tensor:  # (B, n, C) -> (B, nh, n, hs)
+            return t.view(B, -1, nh, C // nh).transpose(1, 2)
+
+        y = F.scaled_dot_product_attention(heads(qq), heads(k), heads(v), attn_mask=allowed[:, None])
+        y = y.transpose(1, 2).reshape(B, Tq, C)[rows, slot]  # (N, C)
+        h = x[rows, pos] + attn.proj(y)
+        h = h + last.mlp(last.ln2(h))
+        return self.ln_f(h)
+
     def forward(
         self,
         idx: torch.Tensor,

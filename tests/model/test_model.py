@@ -145,3 +145,29 @@ def test_configs_of_older_checkpoints_still_load():
 
     assert ModelConfig.from_dict({"top_k": 3, "n_prototypes": 8}).n_active == 3
     assert TrainConfig.from_dict({"extra": {}, "max_steps": 7}).max_steps == 7
+
+
+def test_hidden_at_equals_the_full_forward_at_the_positions_asked_for():
+    torch.manual_seed(3)
+    model = PRISM(tiny_model_cfg()).eval()
+    B, T = 5, model.cfg.block_size
+    x = torch.randint(0, model.cfg.vocab_size, (B, T))
+    keep = torch.zeros(B, T, dtype=torch.bool)
+    keep[0, [0, 3, T - 1]] = True  # first and last positions
+    keep[2, 7] = True  # sequence 1 asks for nothing
+    keep[3, torch.arange(T)] = True  # every position of one sequence
+    keep[4, [T // 2, T // 2 + 1]] = True
+    rows, pos = keep.nonzero(as_tuple=True)
+    with torch.no_grad():
+        full = model.hidden(x)
+        at = model.hidden_at(x, rows, pos)
+    assert at.shape == (len(rows), model.cfg.d_model)
+    torch.testing.assert_close(at, full[rows, pos], rtol=0, atol=1e-5)
+    # causal: a later token's change moves only the positions after it
+    x2 = x.clone()
+    x2[0, 5] = (x2[0, 5] + 1) % model.cfg.vocab_size
+    with torch.no_grad():
+        at2 = model.hidden_at(x2, rows, pos)
+    first = rows == 0
+    torch.testing.assert_close(at2[first][:2], at[first][:2], rtol=0, atol=0)
+    assert not torch.allclose(at2[first][2], at[first][2])
