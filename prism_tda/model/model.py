@@ -254,6 +254,7 @@ class PRISM(nn.Module):
         for block in self.blocks[:-1]:
             x = block(x)
         last = self.blocks[-1]
+        assert isinstance(last, Block)
         attn = last.attn
         C, nh = x.shape[-1], attn.n_head
         q, k, v = attn.qkv(last.ln1(x)).split(C, dim=2)
