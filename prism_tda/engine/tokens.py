@@ -51,6 +51,9 @@ def pad_batch(tokens: list[list[int]], targets: list[list[int]],
 
 WIDTH_STEP = 16  # the indexer pads a sequence to its length rounded up to this (``width_batches``)
 PER_CALL_TOKENS = 128  # a forward call's fixed cost, in padded tokens' worth (measured on 2 CPU cores)
+# with ``positions``, run the last block only where a quantity is wanted (``PRISM.hidden_at``); off, the
+# whole model runs on every position (the same numbers up to rounding: ``bench/rerank_forward_ab.py``)
+LAST_BLOCK_AT_POSITIONS = True
 
 
 def length_batches(lengths: np.ndarray, max_tokens: int, per_call: int = PER_CALL_TOKENS) -> list[np.ndarray]:
@@ -118,7 +121,8 @@ def run_batch(
     rows, pos = mask.nonzero(as_tuple=True)
     with autocast or contextlib.nullcontext():
         # with positions, the last block runs only where a quantity is wanted
-        zv = (model.hidden(x)[rows, pos] if positions is None else model.hidden_at(x, rows, pos)).float()  # (N, d)
+        last_only = positions is not None and LAST_BLOCK_AT_POSITIONS
+        zv = (model.hidden_at(x, rows, pos) if last_only else model.hidden(x)[rows, pos]).float()  # (N, d)
     yv = y[rows, pos]
     h = model.head(zv)
     W = model.W.float()

@@ -48,6 +48,18 @@ def test_index_throughput_runs_on_the_tiny_checkpoint(tiny_ckpt, tmp_path):
     assert res["whole_job_ratio"] < res["shard_stage_ratio_largest"]  # the whole job includes the shard stage
 
 
+def test_rerank_forward_ab_runs_both_arms_on_the_tiny_index(index, tmp_path):
+    """bench/rerank_forward_ab.py: both forwards answer each query with the same documents, and the
+    engine's switch is put back as it was."""
+    import prism_tda.engine.tokens as tokens
+    from bench.rerank_forward_ab import ARMS, main
+
+    res = main(["--index", str(index), "--prompts", "2", "--prompt-tokens", "12", "--repeats", "2", "--out", str(tmp_path / "ab.json")])
+    assert set(res["arms"]) == set(ARMS) and res["same_documents_and_order"] == "2/2"
+    assert res["max_score_diff"] < 1e-4 and tokens.LAST_BLOCK_AT_POSITIONS
+    assert all(v["p50"] > 0 for a in ARMS for v in res["arms"][a].values())
+
+
 def test_index_floor_times_each_stage_on_the_tiny_index(index, tmp_path):
     """bench/index_floor.py: every stage timed, and the ceilings follow from the timings."""
     from bench.index_floor import main
