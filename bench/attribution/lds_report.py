@@ -341,7 +341,7 @@ def main(argv: list[str] | None = None) -> dict:
     out.pop("speedup_vs_ekfac_per_query", None)
     # the fresh splits' reports written into the same file by influence_lds.py --merge-into stay
     prev = json.loads(Path(args.out).read_text()) if Path(args.out).exists() else {}
-    out.update({k: v for k, v in prev.items() if k.startswith("fresh_split_influence")})
+    out.update({k: v for k, v in prev.items() if k.startswith(("fresh_split_influence", "fresh_splits_influence"))})
     return finish(out, "attribution/lds_report.py", argv, args.out)
 
 

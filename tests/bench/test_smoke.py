@@ -303,3 +303,36 @@ def test_fast_ab_measures_two_option_sets_on_one_slice(index, tiny_corpus, tmp_p
     for arm in ("a", "b"):
         assert len(res["arms"][arm]["per_query_overlap"]) == 3
     assert ab.main(args)["exact_pass_seconds"] == res["exact_pass_seconds"]
+
+
+def test_pool_splits_weights_by_inverse_variance_and_refuses_mixed_rules(tmp_path):
+    """bench/attribution/pool_splits.py: two splits, one twice as precise, pooled by hand; splits of
+    different rules are not pooled."""
+    import json
+
+    import pytest
+
+    from bench.attribution.pool_splits import Z95, main, pool
+
+    got = pool([0.0, 0.3], [-2 * Z95 * 0.1, 0.3 - Z95 * 0.1], [2 * Z95 * 0.1, 0.3 + Z95 * 0.1])
+    # se 0.2 and 0.1: weights 25 and 100, estimate 0.24, se sqrt(1/125)
+    assert got["estimate"] == pytest.approx(0.24, abs=1e-4) and got["weights"] == [0.2, 0.8]
+    assert got["se"] == pytest.approx((1 / 125) ** 0.5, abs=1e-4)
+    with pytest.raises(ValueError, match="width"):
+        pool([0.1], [0.1], [0.1])
+    src = []
+    for i, returned in enumerate((128, 128)):
+        f = tmp_path / f"s{i}.json"
+        f.write_text(json.dumps({"returned": returned, "influence_damping_served": 1e-6, "served_damping": 0.01}))
+        src.append(str(f))
+    res = tmp_path / "attribution.json"
+    blocks = {"fresh_split_influence": {"source": src[0], "lds_diff_prism_fast_ekfac_ci": [0.1, 0.0, 0.2]},
+              "fresh_split_influence_b": {"source": src[1], "lds_diff_prism_fast_ekfac_ci": [0.3, 0.2, 0.4]}}
+    res.write_text(json.dumps(blocks))
+    out = main(["--results", str(res), "--keys", "lds_diff_prism_fast_ekfac_ci"])
+    assert out["lds_diff_prism_fast_ekfac_ci"]["estimate"] == pytest.approx(0.2)
+    assert json.loads(res.read_text())["fresh_splits_influence_pooled"] == out
+    (tmp_path / "s1.json").write_text(json.dumps({"returned": 64, "influence_damping_served": 1e-6,
+                                                  "served_damping": 0.01}))
+    with pytest.raises(SystemExit, match="different rules"):
+        main(["--results", str(res), "--keys", "lds_diff_prism_fast_ekfac_ci"])
