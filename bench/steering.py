@@ -44,6 +44,12 @@ over prompts.
    (its false-positive floor: text with nothing of the topic is still called on-topic this often) and
    the topic's discovery half (its recall at that length); the relative drop that a rate at the floor
    would give; and every prototype of the bank suppressed at once (the logits from the residual alone).
+9. **A strict judge**: the same classifier at the threshold where 1% (``STRICT_FP``) of generation-length
+   windows of other categories' documents score above it (4,000 windows of documents neither fitted on
+   nor among step 8's; the setting was fixed before its first run), so that a drop of 0.75 is
+   measurable at all; step 8's windows check its false-positive rate on other text. The base rate,
+   the headline set, the selected set, their random controls and the whole bank, re-judged from the
+   same generations.
 
     python -m bench.steering --index runs/demo_idle/index
 
@@ -74,6 +80,7 @@ PROMPTS = ["The", "I", "You", "A man", "My", "When", "There is", "It is", "Never
            "Man is", "Anyone who", "Our", "A good", "Most", "Once", "Here", "Remember", "Beware", "Things",
            "The only", "Whatever", "Those who", "Many", "Few", "Truth"]
 SIZES = [1, 2, 5, 10, 20, 50]
+STRICT_FP = 0.01  # the strict judge's false-positive rate (step 9), fixed before its first run
 # openings for the selection's tuning generations only (none is an evaluation prompt)
 TUNE_PROMPTS = ["So", "Before", "After all", "A woman", "Your", "Sometimes", "There was", "Yesterday", "Perhaps",
                 "Nobody", "The first", "Every man", "Be", "Do not", "It takes", "God", "Money", "Work", "Friends",
@@ -135,8 +142,14 @@ class TopicClassifier:
         return self
 
     @torch.no_grad()
+    def proba(self, texts: list[str]) -> np.ndarray:
+        """The probability that each text is on the topic."""
+        if not texts:
+            return np.zeros(0, dtype=np.float32)
+        return torch.sigmoid(self._x(texts) @ self.w + self.b).numpy()
+
     def predict(self, texts: list[str]) -> np.ndarray:
-        return (torch.sigmoid(self._x(texts) @ self.w + self.b) > 0.5).numpy()
+        return self.proba(texts) > 0.5
 
 
 def cross_validate(texts: list[str], y: np.ndarray, folds: int = 5, seed: int = 0) -> dict:
@@ -322,8 +335,8 @@ def main(argv: list[str] | None = None) -> dict:
 
     def measure(suppress: list[int] | None, alpha: float = 0.0, project: bool = False) -> dict:
         gens = sample(model, prompt_ids, n_s, args.new_tokens, suppress, args.seed, eos, alpha, project)
-        on = clf.predict([tok.decode(g) for g in gens]).astype(float)
-        return {"on": on, "ppl": perplexity(model, other_ids, suppress, alpha=alpha, project=project),
+        p = clf.proba([tok.decode(g) for g in gens])
+        return {"on": (p > 0.5).astype(float), "p": p, "ppl": perplexity(model, other_ids, suppress, alpha=alpha, project=project),
                 "examples": [tok.decode(g) for g in gens[:3]]}
 
     def row(m: dict) -> dict:
@@ -337,10 +350,12 @@ def main(argv: list[str] | None = None) -> dict:
     rng = np.random.default_rng(args.seed + 1)
     pool = np.setdiff1d(np.arange(K), ranked)
     curve: dict[str, list] = {"discovered": [], "random": []}
+    measured: dict[tuple[str, int], dict] = {}  # the curve's measures, for the strict judge (step 9)
     examples = {}
     for size in args.sizes:
         for kind, chosen in (("discovered", ranked[:size]), ("random", sorted(rng.choice(pool, size, replace=False).tolist()))):
             m = measure(chosen)
+            measured[kind, size] = m
             rate_b, rate_s = float(base["on"].mean()), float(m["on"].mean())
             curve[kind].append({
                 "size": size, "prototypes": [int(c) for c in chosen], "share_of_bank": round(size / K, 4),
@@ -372,8 +387,10 @@ def main(argv: list[str] | None = None) -> dict:
     steps = select_by_effect(model, eff_texts, ranked[:50], budget=budget, max_ppl_ratio=1.02, progress=True)
     selected = [st.proto_id for st in steps]
     sel_s = time.perf_counter() - t_sel
-    sel_eval = row(measure(selected)) if selected else None
-    sel_ctrl = (row(measure(sorted(rng.choice(pool, len(selected), replace=False).tolist()))) if selected else None)
+    sel_m = measure(selected) if selected else None
+    sel_ctrl_m = measure(sorted(rng.choice(pool, len(selected), replace=False).tolist())) if selected else None
+    sel_eval = row(sel_m) if sel_m else None
+    sel_ctrl = row(sel_ctrl_m) if sel_ctrl_m else None
     print("selected", selected, sel_eval and sel_eval["topic_rate_drop"], sel_eval and sel_eval["other_ppl_ratio"],
           flush=True)
 
@@ -385,9 +402,12 @@ def main(argv: list[str] | None = None) -> dict:
     fit_docs = set(clf_docs.tolist())
     wrng = np.random.default_rng(args.seed + 2)
 
+    wrng_used: list[int] = []  # the documents the floor's windows came from
+
     def windows(which: np.ndarray, n: int) -> list[str]:
         out = []
         for i in wrng.permutation([j for j in which if j not in fit_docs])[:n]:
+            wrng_used.append(int(i))
             t = tok.encode(docs["text"][i]).ids
             at = int(wrng.integers(0, max(1, len(t) - args.new_tokens + 1)))
             out.append(tok.decode(t[at : at + args.new_tokens]))
@@ -402,7 +422,47 @@ def main(argv: list[str] | None = None) -> dict:
              "false_positive_rate_ci": [round(float(x), 4) for x in np.percentile(boot, [2.5, 97.5])],
              "topic_windows": len(pos_w), "recall": round(float(clf.predict(pos_w).mean()), 4) if pos_w else None,
              "largest_drop_at_floor": round(1 - fp / max(rate_b, 1e-9), 4)}
-    whole = row(measure(list(range(K))))
+    whole_m = measure(list(range(K)))
+    whole = row(whole_m)
+    # 9. a strict judge: the same classifier at the threshold where its false-positive rate on windows of
+    # other categories' documents (neither fitted on nor among the floor's) is STRICT_FP; the floor's
+    # windows then check that rate on text the threshold was not set on
+    floor_docs = set(int(i) for i in wrng_used)
+    crng = np.random.default_rng(args.seed + 3)
+    cal_docs = [j for j in crng.permutation(np.nonzero(~topic & trained)[0]) if j not in fit_docs and j not in floor_docs]
+    cal_w = []
+    for i in cal_docs[:4000]:
+        t = tok.encode(docs["text"][i]).ids
+        at = int(crng.integers(0, max(1, len(t) - args.new_tokens + 1)))
+        cal_w.append(tok.decode(t[at : at + args.new_tokens]))
+    cal_p = clf.proba(cal_w)
+    thr = float(np.quantile(cal_p, 1 - STRICT_FP)) if len(cal_p) else 1.0
+    strict_base = (base["p"] > thr).astype(float)
+
+    def strict_row(m: dict) -> dict:
+        on = (m["p"] > thr).astype(float)
+        rate_b, rate_s = float(strict_base.mean()), float(on.mean())
+        return {"topic_rate": round(rate_s, 4), "topic_rate_ci": boot_rate(on, n_p, n_s),
+                "topic_rate_drop": round(1 - rate_s / max(rate_b, 1e-9), 4),
+                "topic_rate_drop_ci": boot_drop(strict_base, on, n_p, n_s)}
+
+    fp_strict = float((clf.proba(neg_w) > thr).mean()) if neg_w else float("nan")
+    strict = {
+        "rule": (f"the classifier's threshold set where {STRICT_FP:.0%} of generation-length windows of other "
+                 "categories' training documents (not fitted on, not the floor's) score above it; fixed before "
+                 "any generation was judged by it"),
+        "false_positive_target": STRICT_FP, "threshold": round(thr, 4), "calibration_windows": len(cal_w),
+        "false_positive_rate_floor_windows": round(fp_strict, 4),
+        "recall_topic_windows": round(float((clf.proba(pos_w) > thr).mean()), 4) if pos_w else None,
+        "topic_rate_base": round(float(strict_base.mean()), 4), "topic_rate_base_ci": boot_rate(strict_base, n_p, n_s),
+        "largest_drop_at_floor": round(1 - fp_strict / max(float(strict_base.mean()), 1e-9), 4),
+        "headline": {"size": head["size"], **strict_row(measured["discovered", head["size"]])},
+        "headline_control_random": strict_row(measured["random", head["size"]]),
+        "selected": strict_row(sel_m) if sel_m else None,
+        "selected_control_random": strict_row(sel_ctrl_m) if sel_ctrl_m else None,
+        "whole_bank_suppressed": strict_row(whole_m),
+    }
+    print("strict judge", {k: v for k, v in strict.items() if k != "rule"}, flush=True)
     print("floor", floor, "whole bank", whole["topic_rate"], whole["other_ppl_ratio"], flush=True)
     for name in sets:
         print(name, [(r["alpha"], r["topic_rate"], r["other_ppl_ratio"]) for r in alpha_curve[name]],
@@ -444,7 +504,7 @@ def main(argv: list[str] | None = None) -> dict:
             "prototypes": selected, "share_of_bank": round(len(selected) / K, 4), "seconds": round(sel_s, 1),
             "heldout": sel_eval, "control_random": sel_ctrl},
         "alpha_curve": alpha_curve, "projection": projection,
-        "classifier_floor": floor, "whole_bank_suppressed": whole,
+        "classifier_floor": floor, "whole_bank_suppressed": whole, "strict_judge": strict,
         "curve": curve, "examples": {"base": base["examples"], **{f"suppressed_{k}": v for k, v in examples.items()}},
         "seconds": round(time.perf_counter() - t0, 1),
     }
