@@ -49,7 +49,8 @@ over prompts.
    nor among step 8's; the setting was fixed before its first run), so that a drop of 0.75 is
    measurable at all; step 8's windows check its false-positive rate on other text. The base rate,
    the headline set, the selected set, their random controls and the whole bank, re-judged from the
-   same generations.
+   same generations; then, because on-topic generations are rare under it, a fresh draw of
+   ``--strict-samples`` samples per prompt (other seeds) for the base, the selected set and its control.
 
     python -m bench.steering --index runs/demo_idle/index
 
@@ -280,6 +281,9 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--measure", default="activation", choices=["activation", "logit"],
                     help="what a token counts for a prototype in discovery (engine/steering.py)")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--strict-samples", type=int, default=100,
+                    help="samples per prompt of the strict judge's larger, fresh draw (base, selected set, its "
+                         "control); 0: none")
     ap.add_argument("--out", default="bench/results/steering.json")
     ap.add_argument("--plot", default="docs/img/steering.png")
     args = ap.parse_args(argv)
@@ -388,7 +392,8 @@ def main(argv: list[str] | None = None) -> dict:
     selected = [st.proto_id for st in steps]
     sel_s = time.perf_counter() - t_sel
     sel_m = measure(selected) if selected else None
-    sel_ctrl_m = measure(sorted(rng.choice(pool, len(selected), replace=False).tolist())) if selected else None
+    sel_ctrl_ids = sorted(rng.choice(pool, len(selected), replace=False).tolist()) if selected else []
+    sel_ctrl_m = measure(sel_ctrl_ids) if selected else None
     sel_eval = row(sel_m) if sel_m else None
     sel_ctrl = row(sel_ctrl_m) if sel_ctrl_m else None
     print("selected", selected, sel_eval and sel_eval["topic_rate_drop"], sel_eval and sel_eval["other_ppl_ratio"],
@@ -462,6 +467,27 @@ def main(argv: list[str] | None = None) -> dict:
         "selected_control_random": strict_row(sel_ctrl_m) if sel_ctrl_m else None,
         "whole_bank_suppressed": strict_row(whole_m),
     }
+    if args.strict_samples and selected:
+        # the strict judge's rates are small: fresh, larger draws of the base, the selected set and its control
+        big = {}
+        for name, sup in (("base", None), ("selected", selected), ("selected_control_random", sel_ctrl_ids)):
+            gens = sample(model, prompt_ids, args.strict_samples, args.new_tokens, sup, args.seed + 104_729, eos)
+            big[name] = (clf.proba([tok.decode(g) for g in gens]) > thr).astype(float)
+            print("strict draw", name, float(big[name].mean()), flush=True)
+        n_big = args.strict_samples
+
+        def big_row(on: np.ndarray) -> dict:
+            rate_b, rate_s = float(big["base"].mean()), float(on.mean())
+            return {"topic_rate": round(rate_s, 4), "topic_rate_ci": boot_rate(on, n_p, n_big),
+                    "topic_rate_drop": round(1 - rate_s / max(rate_b, 1e-9), 4),
+                    "topic_rate_drop_ci": boot_drop(big["base"], on, n_p, n_big)}
+
+        strict["larger_draw"] = {
+            "samples_per_prompt": n_big, "generations": n_p * n_big, "sampling_seed": args.seed + 104_729,
+            "topic_rate_base": round(float(big["base"].mean()), 4), "topic_rate_base_ci": boot_rate(big["base"], n_p, n_big),
+            "largest_drop_at_floor": round(1 - fp_strict / max(float(big["base"].mean()), 1e-9), 4),
+            "selected": big_row(big["selected"]), "selected_control_random": big_row(big["selected_control_random"]),
+            "selected_control_prototypes": [int(c) for c in sel_ctrl_ids]}
     print("strict judge", {k: v for k, v in strict.items() if k != "rule"}, flush=True)
     print("floor", floor, "whole bank", whole["topic_rate"], whole["other_ppl_ratio"], flush=True)
     for name in sets:
