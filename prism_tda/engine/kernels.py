@@ -3,8 +3,8 @@
 A query column's product with a stored token vector is a sum of table lookups (asymmetric scoring,
 ``engine/scoring.py``: ``approx_scores``). Done with numpy gathers it builds several temporary
 arrays per hit; here one pass over the rows reads each token's prototypes, activation codes, packed
-codes and direction bit straight from the shard's memory maps and writes the (n, k) terms of its
-score. Equal to the decoded token vectors' scores up to float32 rounding
+codes and direction bit straight from the shard's memory maps, and a second sums the table entries
+of every (token, query column) pair one column at a time, writing the (n, k) terms of each score. Equal to the decoded token vectors' scores up to float32 rounding
 (tests/engine/test_kernels.py). The rows of a call are shared across threads (:func:`over_parts`: as
 many as torch's intra-op threads), whether they lie in one shard or a few in each of many.
 """
@@ -95,43 +95,79 @@ def code_terms(local: np.ndarray, protos: np.ndarray, act_codes: np.ndarray, act
     sub-quantiser. A token coded by ``m_t`` scores ``sum_s m_tab[s, c, code_s] - y_tab[c, y_t]``; one
     coded by its direction (bit set in ``code_dir``, packed big-endian per byte; empty: none) scores
     ``length * sum_s d_tab[s, c, code_s]``, the length being the one that gives its decoded direction
-    (``dir_cent`` (n_sub * n_cent, d_sub)) the stored ``I(t, t)`` under ``inv`` (K, d). ``gather``: copy
-    each chunk of rows' stored bytes out before computing them (:data:`GATHER_MIN_ROWS`); the same
-    result either way."""
+    (``dir_cent`` (n_sub * n_cent, d_sub)) the stored ``I(t, t)`` under ``inv`` (K, d).
+
+    Two passes. The first reads each row once: its prototypes and activations, and for a row with a
+    slot in a query column, its unpacked codes, its direction's length and one (row, slot) pair per such
+    slot. The second sums the table entries of the pairs column by column (a counting sort by column
+    and kind of code): one column's tables, ``n_sub * n_cent`` entries, stay in cache while every pair
+    of that column is summed, where row order would draw each lookup from all P columns' tables. The
+    sums run over s in the same order either way, so the terms are the same. ``gather``: in the first
+    pass, copy each chunk of rows' stored bytes out before reading them (:data:`GATHER_MIN_ROWS`); the
+    same result either way."""
     n, k = len(local), protos.shape[1]
-    ds = dir_cent.shape[1] if dir_cent.shape[0] else 0
-    has_dirs = code_dir.shape[0] > 0
-    code = np.empty(n_sub, np.int64)
-    d = inv.shape[1]
-    w = np.empty(d, np.float64)
-    if not gather:  # a small shard: its arrays stay in cache, read them in place
+    P = m_tab.shape[1]
+    is_dir = np.zeros(n, np.bool_)
+    if code_dir.shape[0] > 0:
         for i in range(n):
-            r = local[i]
-            is_dir = has_dirs and _dir_bit(code_dir, r)
-            _code_terms_row(i, r, protos, act_codes, codes, is_dir, act_table, t_self, targets, bits, n_sub, n_cent,
-                            col, m_tab, y_tab, d_tab, dir_cent, inv, out_protos, out_acts, out_terms, code, w, ds)
-        return
-    # a large shard: rows are read in chunks, first each chunk's stored bytes copied into small local
-    # buffers (a tight loop of independent loads, so many cache and TLB misses are in flight at once
-    # when the rows lie far apart), then computed from there
-    gp = np.empty((GATHER_ROWS, k), protos.dtype)
-    ga = np.empty((GATHER_ROWS, k), act_codes.dtype)
-    gc = np.empty((GATHER_ROWS, codes.shape[1]), codes.dtype)
-    gd = np.zeros(GATHER_ROWS, np.bool_)
-    for c0 in range(0, n, GATHER_ROWS):
-        m = min(GATHER_ROWS, n - c0)
-        for h in range(m):
-            r = local[c0 + h]
-            for j in range(k):
-                gp[h, j] = protos[r, j]
-                ga[h, j] = act_codes[r, j]
-            for b in range(codes.shape[1]):
-                gc[h, b] = codes[r, b]
-            if has_dirs:
-                gd[h] = _dir_bit(code_dir, r)
-        for h in range(m):
-            _code_terms_row(c0 + h, h, gp, ga, gc, gd[h], act_table, t_self, targets, bits, n_sub, n_cent, col, m_tab,
-                            y_tab, d_tab, dir_cent, inv, out_protos, out_acts, out_terms, code, w, ds)
+            is_dir[i] = _dir_bit(code_dir, local[i])
+    code = np.empty(n_sub, np.int64)
+    w = np.empty(inv.shape[1], np.float64)
+    hit_codes = np.empty((n, n_sub), np.int32)  # the unpacked codes of the rows with a pair, in order
+    length = np.ones(n, np.float64)
+    pair_row = np.empty(n * k, np.int32)  # row i of the call
+    pair_hit = np.empty(n * k, np.int32)  # its place in hit_codes
+    pair_slot = np.empty(n * k, np.int8)
+    pair_key = np.empty(n * k, np.int32)  # 2 * column + (1 when coded by direction)
+    start = np.zeros(2 * P + 1, np.int64)
+    state = np.zeros(2, np.int64)  # pairs, rows with a pair
+    if not gather:  # a small shard: its arrays stay in cache, read them in place
+        _first_pass(0, local, protos, act_codes, codes, is_dir, act_table, t_self, bits, n_sub, n_cent, col, dir_cent,
+                    inv, out_protos, out_acts, out_terms, code, w, hit_codes, length, pair_row, pair_hit, pair_slot,
+                    pair_key, start, state)
+    else:
+        # a large shard: rows are read in chunks, first each chunk's stored bytes copied into small local
+        # buffers (a tight loop of independent loads, so many cache and TLB misses are in flight at once
+        # when the rows lie far apart), then read from there
+        gp = np.empty((GATHER_ROWS, k), protos.dtype)
+        ga = np.empty((GATHER_ROWS, k), act_codes.dtype)
+        gc = np.empty((GATHER_ROWS, codes.shape[1]), codes.dtype)
+        at = np.arange(GATHER_ROWS)
+        for c0 in range(0, n, GATHER_ROWS):
+            m = min(GATHER_ROWS, n - c0)
+            for h in range(m):
+                r = local[c0 + h]
+                for j in range(k):
+                    gp[h, j] = protos[r, j]
+                    ga[h, j] = act_codes[r, j]
+                for b in range(codes.shape[1]):
+                    gc[h, b] = codes[r, b]
+            _first_pass(c0, at[:m], gp, ga, gc, is_dir, act_table, t_self, bits, n_sub, n_cent, col, dir_cent, inv,
+                        out_protos, out_acts, out_terms, code, w, hit_codes, length, pair_row, pair_hit, pair_slot,
+                        pair_key, start, state)
+    n_pairs = state[0]
+    # the pairs in order of (column, kind of code)
+    for t in range(2 * P):
+        start[t + 1] += start[t]
+    order = np.empty(n_pairs, np.int64)
+    for q in range(n_pairs):
+        key = pair_key[q]
+        order[start[key]] = q
+        start[key] += 1
+    for o in range(n_pairs):
+        q = order[o]
+        i, u, c = pair_row[q], pair_hit[q], pair_key[q] >> 1
+        v = 0.0
+        if pair_key[q] & 1:
+            for s in range(n_sub):
+                v += d_tab[s, c, hit_codes[u, s]]
+            v = v * length[i]
+        else:
+            for s in range(n_sub):
+                v += m_tab[s, c, hit_codes[u, s]]
+            v = v - y_tab[c, targets[i]]
+        j = pair_slot[q]
+        out_terms[i, j] = out_acts[i, j] * v
 
 
 @njit(cache=True, nogil=True, inline="always")
@@ -140,64 +176,73 @@ def _dir_bit(code_dir: np.ndarray, r: int) -> bool:
     return ((code_dir[r >> 3] >> (7 - (r & 7))) & 1) == 1
 
 
-@njit(cache=True, nogil=True, inline="always")
-def _code_terms_row(i: int, h: int, gp: np.ndarray, ga: np.ndarray, gc: np.ndarray, is_dir: bool, act_table: np.ndarray,
-                    t_self: np.ndarray, targets: np.ndarray, bits: int, n_sub: int, n_cent: int, col: np.ndarray,
-                    m_tab: np.ndarray, y_tab: np.ndarray, d_tab: np.ndarray, dir_cent: np.ndarray, inv: np.ndarray,
-                    out_protos: np.ndarray, out_acts: np.ndarray, out_terms: np.ndarray, code: np.ndarray, w: np.ndarray,
-                    ds: int) -> None:
-    """:func:`code_terms` of its ``i``-th row, whose stored bytes are row ``h`` of ``gp``, ``ga``, ``gc``: the
-    chunk's buffers, or the shard's arrays themselves."""
+@njit(cache=True, nogil=True)
+def _first_pass(i0: int, rows: np.ndarray, gp: np.ndarray, ga: np.ndarray, gc: np.ndarray, is_dir: np.ndarray,
+                act_table: np.ndarray, t_self: np.ndarray, bits: int, n_sub: int, n_cent: int, col: np.ndarray,
+                dir_cent: np.ndarray, inv: np.ndarray, out_protos: np.ndarray, out_acts: np.ndarray,
+                out_terms: np.ndarray, code: np.ndarray, w: np.ndarray, hit_codes: np.ndarray, length: np.ndarray,
+                pair_row: np.ndarray, pair_hit: np.ndarray, pair_slot: np.ndarray, pair_key: np.ndarray,
+                count: np.ndarray, state: np.ndarray) -> None:
+    """:func:`code_terms`'s first pass over its rows ``i0, i0 + 1, ...``, whose stored bytes are the rows
+    ``rows`` of ``gp``, ``ga``, ``gc`` (a chunk's buffers, or the shard's arrays themselves). ``state``:
+    the pairs and the rows with a pair so far, updated; ``count[key + 1]`` counts each key's pairs."""
     k, d = gp.shape[1], inv.shape[1]
-    hit = False
-    for j in range(k):
-        p = np.int64(gp[h, j])
-        a = act_table[p, ga[h, j]]
-        out_protos[i, j] = p
-        out_acts[i, j] = a
-        out_terms[i, j] = 0.0
-        if col[p] >= 0 and a > 0:
-            hit = True
-    if not hit:
-        return
-    _unpack_row(gc, h, bits, n_sub, code)
-    tab = d_tab if is_dir else m_tab
-    length = 1.0
-    if is_dir:  # the direction's I(t, t) at unit length, over every active prototype: the
-        # curvature's diagonal weighted by the squared activations first (independent sums, which
-        # vectorise), then one product with the squared direction (two running sums)
-        w[:] = 0.0
+    ds = dir_cent.shape[1] if dir_cent.shape[0] else 0
+    n_pairs, n_hit = state[0], state[1]
+    for h in range(len(rows)):
+        i, r = i0 + h, rows[h]
+        hit = False
         for j in range(k):
-            a = out_acts[i, j]
-            if a <= 0:
-                continue
-            p = out_protos[i, j]
-            a2 = np.float64(a) * a
-            for e in range(d):
-                w[e] += a2 * inv[p, e]
-        q0 = 0.0
-        q1 = 0.0
-        for s in range(n_sub):
-            base = s * n_cent + code[s]
-            for e in range(0, ds - 1, 2):
-                x, y = dir_cent[base, e], dir_cent[base, e + 1]
-                q0 += x * x * w[s * ds + e]
-                q1 += y * y * w[s * ds + e + 1]
-            if ds % 2:
-                x = dir_cent[base, ds - 1]
-                q0 += x * x * w[s * ds + ds - 1]
-        length = np.sqrt(t_self[i] / max(q0 + q1, 1e-30))
-    for j in range(k):
-        p = out_protos[i, j]
-        c = col[p]
-        a = out_acts[i, j]
-        if c < 0 or a <= 0:
+            p = np.int64(gp[r, j])
+            a = act_table[p, ga[r, j]]
+            out_protos[i, j] = p
+            out_acts[i, j] = a
+            out_terms[i, j] = 0.0
+            if col[p] >= 0 and a > 0:
+                hit = True
+        if not hit:
             continue
-        v = 0.0
+        _unpack_row(gc, r, bits, n_sub, code)
         for s in range(n_sub):
-            v += tab[s, c, code[s]]
-        v = v * length if is_dir else v - y_tab[c, targets[i]]
-        out_terms[i, j] = a * v
+            hit_codes[n_hit, s] = code[s]
+        if is_dir[i]:  # the direction's I(t, t) at unit length, over every active prototype: the
+            # curvature's diagonal weighted by the squared activations first (independent sums, which
+            # vectorise), then one product with the squared direction (two running sums)
+            w[:] = 0.0
+            for j in range(k):
+                a = out_acts[i, j]
+                if a <= 0:
+                    continue
+                p = out_protos[i, j]
+                a2 = np.float64(a) * a
+                for e in range(d):
+                    w[e] += a2 * inv[p, e]
+            q0 = 0.0
+            q1 = 0.0
+            for s in range(n_sub):
+                base = s * n_cent + code[s]
+                for e in range(0, ds - 1, 2):
+                    x, y = dir_cent[base, e], dir_cent[base, e + 1]
+                    q0 += x * x * w[s * ds + e]
+                    q1 += y * y * w[s * ds + e + 1]
+                if ds % 2:
+                    x = dir_cent[base, ds - 1]
+                    q0 += x * x * w[s * ds + ds - 1]
+            length[i] = np.sqrt(t_self[i] / max(q0 + q1, 1e-30))
+        for j in range(k):
+            p = out_protos[i, j]
+            c = col[p]
+            if c < 0 or out_acts[i, j] <= 0:
+                continue
+            key = 2 * c + (1 if is_dir[i] else 0)
+            pair_row[n_pairs] = i
+            pair_hit[n_pairs] = n_hit
+            pair_slot[n_pairs] = j
+            pair_key[n_pairs] = key
+            count[key + 1] += 1
+            n_pairs += 1
+        n_hit += 1
+    state[0], state[1] = n_pairs, n_hit
 
 
 @njit(cache=True, nogil=True)
