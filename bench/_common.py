@@ -142,3 +142,56 @@ def served(index: str | Path, name: str = "bench", *, poll_s: float = 0.1, optio
         except subprocess.TimeoutExpired:
             server.kill()
         shutil.rmtree(state, ignore_errors=True)
+
+
+def interleaved_queries(att, specs: list, opt, arms: dict, repeats: int, stages: tuple[str, ...]) -> tuple[dict, dict]:
+    """Each query asked once per arm per repeat, the arms' order alternating query by query, in one
+    process: ``arms`` maps a name to a function that puts the engine in that arm. Returns, per arm,
+    the wall and ``stages`` milliseconds of each query over the repeats, and each query's last answer
+    as (doc_id, score) pairs. Two queries per arm warm up first."""
+    import time
+
+    names = list(arms)
+    times = {a: {k: [[] for _ in specs] for k in ("wall", *stages)} for a in names}
+    answers: dict[str, list] = {a: [None] * len(specs) for a in names}
+    for s in specs[:2]:
+        for a in names:
+            arms[a]()
+            att.attribute(s, opt)
+    for r in range(repeats):
+        for i, s in enumerate(specs):
+            for a in names if (r + i) % 2 else names[::-1]:
+                arms[a]()
+                t0 = time.perf_counter()
+                res = att.attribute(s, opt)
+                times[a]["wall"][i].append(1e3 * (time.perf_counter() - t0))
+                for k in stages:
+                    times[a][k][i].append(getattr(res.timings_ms, k))
+                answers[a][i] = [(d.doc_id, d.score) for d in res.documents]
+    return times, answers
+
+
+def paired_summary(times: dict, answers: dict, keys: tuple[str, ...], seed: int = 0) -> dict:
+    """For the two arms of :func:`interleaved_queries` (first the baseline): per arm the median and p90
+    of each key; the paired difference (second minus first) of the per-query medians with a 95%
+    bootstrap interval over queries; whether both arms gave the same documents in the same order, and
+    the largest score difference."""
+    base, new = list(times)
+    rng = np.random.default_rng(seed)
+
+    def summary(v: list[list[float]]) -> dict:
+        flat = np.concatenate(v)
+        return {"p50": round(float(np.median(flat)), 2), "p90": round(float(np.percentile(flat, 90)), 2)}
+
+    def paired(k: str) -> dict:
+        d = np.array([np.median(b) - np.median(w) for w, b in zip(times[base][k], times[new][k], strict=True)])
+        boot = [float(np.median(rng.choice(d, len(d)))) for _ in range(2000)]
+        return {"median_ms": round(float(np.median(d)), 2),
+                "ci95_ms": [round(float(np.percentile(boot, 2.5)), 2), round(float(np.percentile(boot, 97.5)), 2)]}
+
+    pairs = list(zip(answers[base], answers[new], strict=True))
+    same_order = sum([x[0] for x in w] == [x[0] for x in b] for w, b in pairs)
+    score_diff = max((abs(x[1] - y[1]) for w, b in pairs for x, y in zip(w, b, strict=False)), default=0.0)
+    return {"arms": {a: {k: summary(v) for k, v in times[a].items()} for a in (base, new)},
+            "diff": {k: paired(k) for k in keys},
+            "same_documents_and_order": f"{same_order}/{len(pairs)}", "max_score_diff": float(score_diff)}

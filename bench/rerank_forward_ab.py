@@ -15,14 +15,12 @@ from __future__ import annotations
 
 import argparse
 import os
-import time
 from pathlib import Path
 
-import numpy as np
 import torch
 
 import prism_tda.engine.tokens as tokens
-from bench._common import finish
+from bench._common import finish, interleaved_queries, paired_summary
 from bench.service_load import prompts_of
 from prism_tda.engine import Attributor, QueryOptions, QuerySpec
 
@@ -45,48 +43,23 @@ def main(argv: list[str] | None = None) -> dict:
     specs = [QuerySpec(p, args.completion) for p in prompts]
     opt = QueryOptions(n_documents=10)
     was = tokens.LAST_BLOCK_AT_POSITIONS
-    # per arm, per query: wall and stage times over the repeats, and the last answer
-    times = {a: {k: [[] for _ in specs] for k in ("wall", *STAGES)} for a in ARMS}
-    answers: dict[str, list] = {a: [None] * len(specs) for a in ARMS}
+
+    def arm(on: bool):
+        def put() -> None:
+            tokens.LAST_BLOCK_AT_POSITIONS = on
+        return put
+
     try:
-        for s in specs[:2]:  # warm up both arms
-            for a in ARMS:
-                tokens.LAST_BLOCK_AT_POSITIONS = a == ARMS[1]
-                att.attribute(s, opt)
-        for r in range(args.repeats):
-            for i, s in enumerate(specs):
-                for a in ARMS if (r + i) % 2 else ARMS[::-1]:
-                    tokens.LAST_BLOCK_AT_POSITIONS = a == ARMS[1]
-                    t0 = time.perf_counter()
-                    res = att.attribute(s, opt)
-                    times[a]["wall"][i].append(1e3 * (time.perf_counter() - t0))
-                    for k in STAGES:
-                        times[a][k][i].append(getattr(res.timings_ms, k))
-                    answers[a][i] = [(d.doc_id, d.score) for d in res.documents]
+        times, answers = interleaved_queries(att, specs, opt, {ARMS[0]: arm(False), ARMS[1]: arm(True)},
+                                             args.repeats, STAGES)
     finally:
         tokens.LAST_BLOCK_AT_POSITIONS = was
-
-    rng = np.random.default_rng(0)
-
-    def summary(v: list[list[float]]) -> dict:
-        flat = np.concatenate(v)
-        return {"p50": round(float(np.median(flat)), 2), "p90": round(float(np.percentile(flat, 90)), 2)}
-
-    def paired(k: str) -> dict:
-        d = np.array([np.median(b) - np.median(w) for w, b in zip(times[ARMS[0]][k], times[ARMS[1]][k], strict=True)])
-        boot = [float(np.median(rng.choice(d, len(d)))) for _ in range(2000)]
-        return {"median_ms": round(float(np.median(d)), 2),
-                "ci95_ms": [round(float(np.percentile(boot, 2.5)), 2), round(float(np.percentile(boot, 97.5)), 2)]}
-
-    same_order = sum([x[0] for x in w] == [x[0] for x in b] for w, b in zip(*answers.values(), strict=True))
-    score_diff = max(abs(x[1] - y[1]) for w, b in zip(*answers.values(), strict=True)
-                     for x, y in zip(w, b, strict=False))
+    ab = paired_summary(times, answers, ("wall", *STAGES))
     res = {
         "index": args.index, "tokens": att.reader.n_tokens, "queries": len(specs), "repeats": args.repeats,
-        "arms": {a: {k: summary(v) for k, v in times[a].items()} for a in ARMS},
-        "diff_last_block_minus_whole": {k: paired(k) for k in ("wall", *STAGES)},
-        "same_documents_and_order": f"{same_order}/{len(specs)}",
-        "max_score_diff": float(score_diff), "torch_threads": torch.get_num_threads(),
+        "arms": ab["arms"], "diff_last_block_minus_whole": ab["diff"],
+        "same_documents_and_order": ab["same_documents_and_order"], "max_score_diff": ab["max_score_diff"],
+        "torch_threads": torch.get_num_threads(),
     }
     return finish(res, "rerank_forward_ab.py", argv, args.out)
 

@@ -60,6 +60,24 @@ def test_rerank_forward_ab_runs_both_arms_on_the_tiny_index(index, tmp_path):
     assert all(v["p50"] > 0 for a in ARMS for v in res["arms"][a].values())
 
 
+def test_kernel_ab_loads_a_revisions_kernel_and_compares_bit_for_bit(index, tmp_path):
+    """bench/kernel_ab.py: the baseline kernel comes from git (HEAD's here, so the two are the same code),
+    both arms answer alike, the kernel calls are compared bit for bit, and the engine's kernel is put
+    back."""
+    import prism_tda.engine.reader as reader_mod
+    from bench.kernel_ab import main
+    from prism_tda.engine.kernels import code_terms
+
+    res = main(["--index", str(index), "--baseline-rev", "HEAD", "--prompts", "2", "--prompt-tokens", "12",
+                "--repeats", "1", "--kernel-queries", "1", "--kernel-repeats", "1", "--out", str(tmp_path / "k.json")])
+    assert res["same_documents_and_order"] == "2/2" and res["max_score_diff"] == 0.0
+    k = res["kernel_alone"]
+    assert k["calls"] >= 1 and k["rows"] > 0 and k["same_outputs_bitwise"] is True
+    assert reader_mod.code_terms is code_terms
+    with pytest.raises(SystemExit, match="no prism_tda/engine/kernels.py"):
+        main(["--index", str(index), "--baseline-rev", "no-such-revision", "--out", str(tmp_path / "x.json")])
+
+
 def test_index_floor_times_each_stage_on_the_tiny_index(index, tmp_path):
     """bench/index_floor.py: every stage timed, and the ceilings follow from the timings."""
     from bench.index_floor import main
