@@ -225,6 +225,15 @@ def boot_drop(base: np.ndarray, supp: np.ndarray, n_prompts: int, samples: int, 
     return [round(float(np.percentile(drops, 2.5)), 4), round(float(np.percentile(drops, 97.5)), 4)]
 
 
+def rate_row(on: np.ndarray, base_on: np.ndarray, n_prompts: int, samples: int) -> dict:
+    """A judged set of generations against the base's (both (n_prompts * samples,) in prompt order): its
+    topic rate and relative drop, each with its 95% bootstrap interval over prompts."""
+    rate_b, rate_s = float(base_on.mean()), float(on.mean())
+    return {"topic_rate": round(rate_s, 4), "topic_rate_ci": boot_rate(on, n_prompts, samples),
+            "topic_rate_drop": round(1 - rate_s / max(rate_b, 1e-9), 4),
+            "topic_rate_drop_ci": boot_drop(base_on, on, n_prompts, samples)}
+
+
 def plot(res: dict, path: Path) -> None:
     try:
         import matplotlib
@@ -344,10 +353,7 @@ def main(argv: list[str] | None = None) -> dict:
                 "examples": [tok.decode(g) for g in gens[:3]]}
 
     def row(m: dict) -> dict:
-        rate_b, rate_s = float(base["on"].mean()), float(m["on"].mean())
-        return {"topic_rate": round(rate_s, 4), "topic_rate_ci": boot_rate(m["on"], n_p, n_s),
-                "topic_rate_drop": round(1 - rate_s / max(rate_b, 1e-9), 4),
-                "topic_rate_drop_ci": boot_drop(base["on"], m["on"], n_p, n_s),
+        return {**rate_row(m["on"], base["on"], n_p, n_s),
                 "other_ppl": round(m["ppl"], 4), "other_ppl_ratio": round(m["ppl"] / base["ppl"], 4)}
 
     base = measure(None)
@@ -360,13 +366,8 @@ def main(argv: list[str] | None = None) -> dict:
         for kind, chosen in (("discovered", ranked[:size]), ("random", sorted(rng.choice(pool, size, replace=False).tolist()))):
             m = measure(chosen)
             measured[kind, size] = m
-            rate_b, rate_s = float(base["on"].mean()), float(m["on"].mean())
-            curve[kind].append({
-                "size": size, "prototypes": [int(c) for c in chosen], "share_of_bank": round(size / K, 4),
-                "topic_rate": round(rate_s, 4), "topic_rate_ci": boot_rate(m["on"], n_p, n_s),
-                "topic_rate_drop": round(1 - rate_s / max(rate_b, 1e-9), 4),
-                "topic_rate_drop_ci": boot_drop(base["on"], m["on"], n_p, n_s),
-                "other_ppl": round(m["ppl"], 4), "other_ppl_ratio": round(m["ppl"] / base["ppl"], 4)})
+            curve[kind].append({"size": size, "prototypes": [int(c) for c in chosen],
+                                "share_of_bank": round(size / K, 4), **row(m)})
             if kind == "discovered":
                 examples[size] = m["examples"]
             print(kind, curve[kind][-1]["size"], curve[kind][-1]["topic_rate"], curve[kind][-1]["other_ppl_ratio"],
@@ -445,11 +446,7 @@ def main(argv: list[str] | None = None) -> dict:
     strict_base = (base["p"] > thr).astype(float)
 
     def strict_row(m: dict) -> dict:
-        on = (m["p"] > thr).astype(float)
-        rate_b, rate_s = float(strict_base.mean()), float(on.mean())
-        return {"topic_rate": round(rate_s, 4), "topic_rate_ci": boot_rate(on, n_p, n_s),
-                "topic_rate_drop": round(1 - rate_s / max(rate_b, 1e-9), 4),
-                "topic_rate_drop_ci": boot_drop(strict_base, on, n_p, n_s)}
+        return rate_row((m["p"] > thr).astype(float), strict_base, n_p, n_s)
 
     fp_strict = float((clf.proba(neg_w) > thr).mean()) if neg_w else float("nan")
     strict = {
@@ -477,10 +474,7 @@ def main(argv: list[str] | None = None) -> dict:
         n_big = args.strict_samples
 
         def big_row(on: np.ndarray) -> dict:
-            rate_b, rate_s = float(big["base"].mean()), float(on.mean())
-            return {"topic_rate": round(rate_s, 4), "topic_rate_ci": boot_rate(on, n_p, n_big),
-                    "topic_rate_drop": round(1 - rate_s / max(rate_b, 1e-9), 4),
-                    "topic_rate_drop_ci": boot_drop(big["base"], on, n_p, n_big)}
+            return rate_row(on, big["base"], n_p, n_big)
 
         strict["larger_draw"] = {
             "samples_per_prompt": n_big, "generations": n_p * n_big, "sampling_seed": args.seed + 104_729,
