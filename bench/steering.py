@@ -21,7 +21,8 @@ On the demo corpus (the fortunes; each document's id starts with its category) a
    top 40, ``--new-tokens`` tokens), the same seeds with and without suppression; a generation is
    on the topic when the classifier says so.
 5. **Cost**: perplexity of the validation documents of the *other* categories with and without
-   suppression (the active sets stay those of the unsuppressed model, as in ``/v1/generate``).
+   suppression (the active sets stay those of the unsuppressed model, as in ``/v1/generate``); the
+   ratio's 95% interval is a bootstrap over those documents.
 
 For set sizes 1, 2, 5, 10, 20, 50 (the discovered top n) and a random set of each size (a control,
 from the prototypes not discovered in the top 50), the topic rate, its relative drop and the
@@ -187,25 +188,41 @@ def sample(model, prompt_ids: list[list[int]], samples: int, new_tokens: int, su
 
 @torch.no_grad()
 def perplexity(model, docs: list[list[int]], suppress: list[int] | None, batch: int = 16, alpha: float = 0.0,
-               project: bool = False) -> float:
+               project: bool = False) -> tuple[float, np.ndarray]:
+    """Perplexity over the documents' windows, and per document its scored tokens and summed loss
+    ((n_docs, 2): what :func:`boot_ppl_ratio` resamples)."""
     sup = torch.tensor(sorted(suppress), dtype=torch.long) if suppress else None
     T = model.cfg.block_size
-    windows = [d[s : s + T + 1] for d in docs for s in range(0, max(len(d) - 1, 1), T) if len(d[s : s + T + 1]) > 1]
-    windows.sort(key=len)
+    windows = [(d[s : s + T + 1], j) for j, d in enumerate(docs) for s in range(0, max(len(d) - 1, 1), T)
+               if len(d[s : s + T + 1]) > 1]
+    windows.sort(key=lambda w: len(w[0]))
     nll, n = 0.0, 0
+    per_doc = np.zeros((len(docs), 2))
     for b in range(0, len(windows), batch):
         chunk = windows[b : b + batch]
-        L = max(len(w) for w in chunk) - 1
+        L = max(len(w) for w, _ in chunk) - 1
         x = torch.zeros(len(chunk), L, dtype=torch.long)
         y = torch.full((len(chunk), L), -1, dtype=torch.long)
-        for i, w in enumerate(chunk):
+        for i, (w, _) in enumerate(chunk):
             x[i, : len(w) - 1] = torch.tensor(w[:-1])
             y[i, : len(w) - 1] = torch.tensor(w[1:])
         logits = model(x, suppress=sup, alpha=alpha, project=project).logits if sup is not None else model(x).logits
-        nll += float(F.cross_entropy(logits.float().reshape(-1, logits.size(-1)), y.reshape(-1), ignore_index=-1,
-                                     reduction="sum"))
+        flat = logits.float().reshape(-1, logits.size(-1))
+        nll += float(F.cross_entropy(flat, y.reshape(-1), ignore_index=-1, reduction="sum"))
         n += int((y >= 0).sum())
-    return math.exp(nll / n)
+        tok_loss = F.cross_entropy(flat, y.reshape(-1), ignore_index=-1, reduction="none").view(len(chunk), L)
+        for i, (_, j) in enumerate(chunk):
+            per_doc[j] += (float((y[i] >= 0).sum()), float(tok_loss[i].double().sum()))
+    return math.exp(nll / n), per_doc
+
+
+def boot_ppl_ratio(base: np.ndarray, supp: np.ndarray, reps: int = 1000, seed: int = 0) -> list[float]:
+    """95% bootstrap interval over documents of a perplexity ratio (``base``, ``supp``: the per-document
+    tokens and summed losses of :func:`perplexity`, the same documents in the same order)."""
+    rng = np.random.default_rng(seed)
+    idx = rng.integers(0, len(base), (reps, len(base)))
+    ratios = np.exp((supp[idx, 1].sum(1) - base[idx, 1].sum(1)) / np.maximum(base[idx, 0].sum(1), 1))
+    return [round(float(np.percentile(ratios, 2.5)), 4), round(float(np.percentile(ratios, 97.5)), 4)]
 
 
 def boot_rate(on: np.ndarray, n_prompts: int, samples: int, reps: int = 1000, seed: int = 0) -> list[float]:
@@ -349,12 +366,14 @@ def main(argv: list[str] | None = None) -> dict:
     def measure(suppress: list[int] | None, alpha: float = 0.0, project: bool = False) -> dict:
         gens = sample(model, prompt_ids, n_s, args.new_tokens, suppress, args.seed, eos, alpha, project)
         p = clf.proba([tok.decode(g) for g in gens])
-        return {"on": (p > 0.5).astype(float), "p": p, "ppl": perplexity(model, other_ids, suppress, alpha=alpha, project=project),
+        ppl, ppl_docs = perplexity(model, other_ids, suppress, alpha=alpha, project=project)
+        return {"on": (p > 0.5).astype(float), "p": p, "ppl": ppl, "ppl_docs": ppl_docs,
                 "examples": [tok.decode(g) for g in gens[:3]]}
 
     def row(m: dict) -> dict:
         return {**rate_row(m["on"], base["on"], n_p, n_s),
-                "other_ppl": round(m["ppl"], 4), "other_ppl_ratio": round(m["ppl"] / base["ppl"], 4)}
+                "other_ppl": round(m["ppl"], 4), "other_ppl_ratio": round(m["ppl"] / base["ppl"], 4),
+                "other_ppl_ratio_ci": boot_ppl_ratio(base["ppl_docs"], m["ppl_docs"])}
 
     base = measure(None)
     rng = np.random.default_rng(args.seed + 1)
@@ -507,9 +526,9 @@ def main(argv: list[str] | None = None) -> dict:
         "headline_size": head["size"], "prototypes_suppressed_share": head["share_of_bank"],
         "topic_rate_suppressed": head["topic_rate"], "topic_rate_drop": head["topic_rate_drop"],
         "topic_rate_drop_ci": head["topic_rate_drop_ci"], "other_ppl_base": round(base["ppl"], 4),
-        "other_ppl_ratio": head["other_ppl_ratio"],
+        "other_ppl_ratio": head["other_ppl_ratio"], "other_ppl_ratio_ci": head["other_ppl_ratio_ci"],
         "control_random": {k: ctrl[k] for k in ("size", "topic_rate", "topic_rate_drop", "topic_rate_drop_ci",
-                                                 "other_ppl_ratio")},
+                                                 "other_ppl_ratio", "other_ppl_ratio_ci")},
         "targets": {"topic_rate_drop": ">= 0.75", "prototypes_suppressed_share": "<= 0.02", "other_ppl_ratio": "<= 1.02"},
         "select_effect": {
             "rule": ("greedy from discovery's top 50 by the tuning generations' loss increase on the topic minus "

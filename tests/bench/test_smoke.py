@@ -373,3 +373,21 @@ def test_steering_rate_row_is_the_rate_and_drop_with_their_bootstrap_intervals()
     assert r["topic_rate_ci"][0] <= r["topic_rate"] <= r["topic_rate_ci"][1]
     assert r["topic_rate_drop_ci"][0] <= r["topic_rate_drop"] <= r["topic_rate_drop_ci"][1]
     assert rate_row(on, np.zeros_like(on), 40, 5)["topic_rate_drop"] < -1e6  # a base of 0: no division by zero
+
+
+def test_steering_perplexity_ratio_interval_resamples_documents():
+    """bench/steering.py's boot_ppl_ratio: the interval of exp(mean loss change per token) over resampled
+    documents brackets the ratio of the whole set, and shrinks to it when every document agrees."""
+    import numpy as np
+
+    from bench.steering import boot_ppl_ratio
+
+    rng = np.random.default_rng(0)
+    tokens = rng.integers(20, 200, 300).astype(float)
+    base = np.stack([tokens, tokens * 4.0], 1)
+    supp = np.stack([tokens, tokens * 4.0 + tokens * rng.normal(0.02, 0.02, 300)], 1)
+    whole = float(np.exp((supp[:, 1].sum() - base[:, 1].sum()) / tokens.sum()))
+    lo, hi = boot_ppl_ratio(base, supp)
+    assert lo < whole < hi and hi - lo < 0.01
+    same = np.stack([tokens, tokens * 4.0 + tokens * 0.02], 1)  # every document's loss up by 0.02 per token
+    assert boot_ppl_ratio(base, same) == [round(float(np.exp(0.02)), 4)] * 2
