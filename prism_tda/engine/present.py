@@ -26,10 +26,8 @@ def scored_document(reader: Reads, tokenizer: Tokenizer, scores: TokenScores, be
     lo, hi = max(t0, t_best - WINDOW), min(t1, t_best + WINDOW + 1)
     _, targets = reader.sequence_tokens(seq)
     ids = targets[lo - t0 : hi - t0]  # the best row's target sits inside the snippet
-    # each prefix decoded, in one call: where every token's text starts in the snippet
-    as_list = np.asarray(ids).tolist()
-    *prefixes, snippet = tokenizer.decode_batch([as_list[:n] for n in range(len(as_list) + 1)])
-    offsets = [len(t) for t in prefixes] + [len(snippet)]
+    offsets = [len(tokenizer.decode(ids[:n])) for n in range(len(ids) + 1)]
+    snippet = tokenizer.decode(ids)
     tok, raw = scores.tok, scores.raw
     best_raw = abs(raw[best]) or 1.0
     near = np.nonzero((tok >= lo) & (tok < hi) & (sign * raw > 0))[0]

@@ -30,6 +30,7 @@ from .layout import DOC_ROW_GROUP, ShardInfo
 from .reads import IndexWide
 
 DOC_GROUPS_CACHED = 64  # decoded Parquet row groups of documents kept, over every shard
+ID_GROUPS_CACHED = 1024  # row groups' external ids kept, over every shard (~9 MB at most)
 
 
 def open_faiss(path: Path):
@@ -112,6 +113,12 @@ class Shard:
             table = self._docs.read_row_group(group)
         return table.to_pydict()
 
+    def external_id_group(self, group: int) -> list[str]:
+        """The external ids of one row group of documents (that column alone: no text decoded)."""
+        with self._docs_lock:
+            col = self._docs.read_row_group(group, columns=["external_id"]).column("external_id")
+        return [str(x) for x in col.to_pylist()]
+
     @functools.cached_property
     def trained(self) -> np.ndarray:
         """(n_docs,) bool: whether the checkpoint trained on each document (the trainer's split, as
@@ -153,11 +160,15 @@ class IndexReader(IndexWide):
         # decoded document row groups, the most recent few over every shard (bounded memory)
         self._doc_group = functools.lru_cache(maxsize=DOC_GROUPS_CACHED)(
             lambda s, g: self.shard(s).doc_group(g))
+        # and their external ids alone, which every answer shows (a few KB a group: many more kept)
+        self._id_group = functools.lru_cache(maxsize=ID_GROUPS_CACHED)(
+            lambda s, g: self.shard(s).external_id_group(g))
         self.load_seconds = time.perf_counter() - t0
 
     def close(self) -> None:
         """Let go of every open shard's files (the reader is unusable afterwards)."""
         self._doc_group.cache_clear()
+        self._id_group.cache_clear()
         self.stacked = None  # it reads the shards' FAISS lists in place: it goes first
         for sh in self.shards:
             sh.close()
@@ -474,7 +485,12 @@ class IndexReader(IndexWide):
         return rec
 
     def external_id(self, doc: int) -> str:
-        return str(self.document(doc)["external_id"])
+        s = int(np.searchsorted(self.doc_base, doc, side="right") - 1)
+        if not 0 <= s < len(self.manifest.shards) or not 0 <= doc < self.n_docs:
+            raise KeyError(doc)
+        local = int(doc - self.doc_base[s])
+        rows = self.shard(s).group_rows
+        return self._id_group(s, local // rows)[local % rows]
 
 
 def ranges(starts: np.ndarray, ends: np.ndarray) -> np.ndarray:
