@@ -455,3 +455,16 @@ def test_exact_mode_is_estimated_before_it_starts(index):
     assert 0.3 < est.seconds / pass_s < 5  # the pass also scores and ranks; the timed batches warm up
     after = att.exact_estimate()
     assert after.seconds == pytest.approx(pass_s, rel=0.3)  # the pass's own rate, less its presentation
+
+
+def test_external_ids_read_alone_are_the_documents_ids(att):
+    """A document's external id comes from its row group's id column alone (cached apart from the
+    decoded row groups): the same id as the whole record's, for every document, and a bad id raises."""
+    r = att.reader
+    r._id_group.cache_clear()
+    for d in range(r.n_docs):
+        assert r.external_id(d) == str(r.document(d)["external_id"])
+    assert r._id_group.cache_info().currsize >= 1
+    for bad in (-1, r.n_docs):
+        with pytest.raises(KeyError):
+            r.external_id(bad)
