@@ -195,3 +195,26 @@ def paired_summary(times: dict, answers: dict, keys: tuple[str, ...], seed: int 
     return {"arms": {a: {k: summary(v) for k, v in times[a].items()} for a in (base, new)},
             "diff": {k: paired(k) for k in keys},
             "same_documents_and_order": f"{same_order}/{len(pairs)}", "max_score_diff": float(score_diff)}
+
+
+def add_demo_query_args(ap, out: str, repeats: int) -> None:
+    """The options of the benchmarks that ask the demo queries of ``bench/service_load.py`` in process."""
+    ap.add_argument("--index", default="runs/demo/index")
+    ap.add_argument("--prompts", type=int, default=16)
+    ap.add_argument("--prompt-tokens", type=int, default=64)
+    ap.add_argument("--repeats", type=int, default=repeats)
+    ap.add_argument("--completion", default=" is a machine")
+    ap.add_argument("--out", default=out)
+
+
+def demo_queries(args) -> tuple:
+    """(the index's Attributor, the query specs, the options: top 10) for :func:`add_demo_query_args`'s
+    options: ``--prompts`` prompts of ``--prompt-tokens`` tokens cut from the demo corpus, each followed
+    by ``--completion``; torch on every core."""
+    from bench.service_load import prompts_of
+    from prism_tda.engine import Attributor, QueryOptions, QuerySpec
+
+    torch.set_num_threads(os.cpu_count() or 1)
+    att = Attributor.open(args.index)
+    prompts = prompts_of(Path(att.manifest.checkpoint) / "tokenizer.json", args.prompts, args.prompt_tokens)
+    return att, [QuerySpec(p, args.completion) for p in prompts], QueryOptions(n_documents=10)

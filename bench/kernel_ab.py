@@ -31,9 +31,7 @@ import numpy as np
 import torch
 
 import prism_tda.engine.reader as reader_mod
-from bench._common import finish, interleaved_queries, paired_summary
-from bench.service_load import prompts_of
-from prism_tda.engine import Attributor, QueryOptions, QuerySpec
+from bench._common import add_demo_query_args, demo_queries, finish, interleaved_queries, paired_summary
 from prism_tda.engine.kernels import code_terms
 
 STAGES = ("candidates", "shortlist", "total")
@@ -59,24 +57,15 @@ def baseline_kernel(rev: str, where: Path):
 
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--index", default="runs/demo/index")
+    add_demo_query_args(ap, "bench/results/kernel_ab.json", repeats=5)
     ap.add_argument("--baseline-rev", required=True, help="git revision whose kernels.py is the baseline")
-    ap.add_argument("--prompts", type=int, default=16)
-    ap.add_argument("--prompt-tokens", type=int, default=64)
-    ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--kernel-queries", type=int, default=4, help="queries whose kernel calls are timed alone")
     ap.add_argument("--kernel-repeats", type=int, default=20)
-    ap.add_argument("--completion", default=" is a machine")
-    ap.add_argument("--out", default="bench/results/kernel_ab.json")
     args = ap.parse_args(argv)
-    torch.set_num_threads(os.cpu_count() or 1)
     with tempfile.TemporaryDirectory() as tmp:
         base = baseline_kernel(args.baseline_rev, Path(tmp))
         kernels = {"baseline": base, "current": code_terms}
-        att = Attributor.open(args.index)
-        prompts = prompts_of(Path(att.manifest.checkpoint) / "tokenizer.json", args.prompts, args.prompt_tokens)
-        specs = [QuerySpec(p, args.completion) for p in prompts]
-        opt = QueryOptions(n_documents=10)
+        att, specs, opt = demo_queries(args)
         was = reader_mod.code_terms
 
         def arm(fn):

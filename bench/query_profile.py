@@ -11,33 +11,21 @@ documents re-ranked, and the wall time per query.
 from __future__ import annotations
 
 import argparse
-import os
 import time
-from pathlib import Path
 
 import numpy as np
 import torch
 
-from bench._common import finish
-from bench.service_load import prompts_of
-from prism_tda.engine import Attributor, QueryOptions, QuerySpec
+from bench._common import add_demo_query_args, demo_queries, finish
 
 STAGES = ("query_forward", "candidates", "shortlist", "rerank", "score", "details", "total")
 
 
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--index", default="runs/demo/index")
-    ap.add_argument("--prompts", type=int, default=16)
-    ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--completion", default=" is a machine")
-    ap.add_argument("--out", default="bench/results/query_profile.json")
+    add_demo_query_args(ap, "bench/results/query_profile.json", repeats=3)
     args = ap.parse_args(argv)
-    torch.set_num_threads(os.cpu_count() or 1)
-    att = Attributor.open(args.index)
-    prompts = prompts_of(Path(att.manifest.checkpoint) / "tokenizer.json", args.prompts)
-    specs = [QuerySpec(p, args.completion) for p in prompts]
-    opt = QueryOptions(n_documents=10)
+    att, specs, opt = demo_queries(args)
     for s in specs[:2]:
         att.attribute(s, opt)
     wall, stages, reranked = [], {k: [] for k in STAGES}, []

@@ -14,15 +14,11 @@ same documents in the same order, with the largest score difference.
 from __future__ import annotations
 
 import argparse
-import os
-from pathlib import Path
 
 import torch
 
 import prism_tda.engine.tokens as tokens
-from bench._common import finish, interleaved_queries, paired_summary
-from bench.service_load import prompts_of
-from prism_tda.engine import Attributor, QueryOptions, QuerySpec
+from bench._common import add_demo_query_args, demo_queries, finish, interleaved_queries, paired_summary
 
 ARMS = ("whole", "last_block_at_positions")
 STAGES = ("query_forward", "rerank", "total")
@@ -30,18 +26,9 @@ STAGES = ("query_forward", "rerank", "total")
 
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--index", default="runs/demo/index")
-    ap.add_argument("--prompts", type=int, default=16)
-    ap.add_argument("--prompt-tokens", type=int, default=64)
-    ap.add_argument("--repeats", type=int, default=5)
-    ap.add_argument("--completion", default=" is a machine")
-    ap.add_argument("--out", default="bench/results/rerank_forward_ab.json")
+    add_demo_query_args(ap, "bench/results/rerank_forward_ab.json", repeats=5)
     args = ap.parse_args(argv)
-    torch.set_num_threads(os.cpu_count() or 1)
-    att = Attributor.open(args.index)
-    prompts = prompts_of(Path(att.manifest.checkpoint) / "tokenizer.json", args.prompts, args.prompt_tokens)
-    specs = [QuerySpec(p, args.completion) for p in prompts]
-    opt = QueryOptions(n_documents=10)
+    att, specs, opt = demo_queries(args)
     was = tokens.LAST_BLOCK_AT_POSITIONS
 
     def arm(on: bool):
