@@ -201,6 +201,9 @@ def add_demo_query_args(ap, out: str, repeats: int) -> None:
     """The options of the benchmarks that ask the demo queries of ``bench/service_load.py`` in process."""
     ap.add_argument("--index", default="runs/demo/index")
     ap.add_argument("--prompts", type=int, default=16)
+    ap.add_argument("--first-prompt", type=int, default=0,
+                    help="skip this many of the demo prompts first (32: prompts 33-48, a tuning set disjoint "
+                         "from the default 16)")
     ap.add_argument("--prompt-tokens", type=int, default=64)
     ap.add_argument("--repeats", type=int, default=repeats)
     ap.add_argument("--completion", default=" is a machine")
@@ -209,12 +212,14 @@ def add_demo_query_args(ap, out: str, repeats: int) -> None:
 
 def demo_queries(args) -> tuple:
     """(the index's Attributor, the query specs, the options: top 10) for :func:`add_demo_query_args`'s
-    options: ``--prompts`` prompts of ``--prompt-tokens`` tokens cut from the demo corpus, each followed
+    options: ``--prompts`` prompts (after the first ``--first-prompt``) of ``--prompt-tokens`` tokens cut from the demo corpus, each followed
     by ``--completion``; torch on every core."""
     from bench.service_load import prompts_of
     from prism_tda.engine import Attributor, QueryOptions, QuerySpec
 
     torch.set_num_threads(os.cpu_count() or 1)
     att = Attributor.open(args.index)
-    prompts = prompts_of(Path(att.manifest.checkpoint) / "tokenizer.json", args.prompts, args.prompt_tokens)
+    first = getattr(args, "first_prompt", 0)
+    prompts = prompts_of(Path(att.manifest.checkpoint) / "tokenizer.json", first + args.prompts,
+                         args.prompt_tokens)[first:]
     return att, [QuerySpec(p, args.completion) for p in prompts], QueryOptions(n_documents=10)

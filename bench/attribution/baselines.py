@@ -266,7 +266,7 @@ def score_index(method: str, index_dir: Path, queries: list[tuple[list[int], lis
     block = model.cfg.block_size
     train = TokenDataset.from_sequences(seqs["token_ids"], seqs["target_ids"], block)
     if method == "bergson":
-        from bergson_baseline import bergson_scores
+        from bench.attribution.bergson_baseline import bergson_scores
 
         fn, kw = bergson_scores, {"checkpoint": checkpoint, "faiss": True} | kw
     else:

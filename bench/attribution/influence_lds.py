@@ -23,12 +23,19 @@ per query with and without ``influence``.
     python -m bench.attribution.influence_lds --work runs/bench_lds_fresh --subsets 16 --split tune
     python -m bench.attribution.influence_lds --work runs/bench_lds_seed3 --subsets 32 --split all \\
         --seed 3 --dampings 1e-4 --out bench/results/attribution_influence_seed3.json
+
+``--baselines-only`` adds the rows of the baselines scored since that run (``run_eval.py --methods
+...,trak,bergson`` on the same folder) to its results file ``--out`` and the ``--merge-key`` block, on
+the same bootstrap draws, without asking the engine anything; it first recomputes ``ekfac_all`` and
+stops unless it equals the file's (the same split and draws).
 """
 
 from __future__ import annotations
 
 import argparse
+import datetime as dt
 import json
+import sys
 import time
 from pathlib import Path
 
@@ -56,7 +63,12 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--merge-key", default="fresh_split_influence",
                     help="the block of the results file to write (one per fresh split: "
                          "fresh_split_influence is seed 4's, fresh_split_influence_seed6 seed 6's)")
+    ap.add_argument("--baselines-only", action="store_true",
+                    help="only add the rows of the baselines' score files (trak, bergson, bm25) to --out and "
+                         "the --merge-key block of --merge-into, on the same draws")
     args = ap.parse_args(argv)
+    if args.baselines_only:
+        return add_baselines(args)
     import torch
 
     from prism_tda.engine import Attributor, QueryOptions, QuerySpec
@@ -115,7 +127,7 @@ def main(argv: list[str] | None = None) -> dict:
                  "ekfac_on_served": row(np.where(K, E, 0.0)),
                  "ekfac_on_score_top": row(on_best(E, S, args.k)),
                  "opposed_share_mean": round(float(np.mean(opposed)), 4),
-                 **{m: row(np.load(work / f"scores_{m}.npy").astype(np.float64)) for m in ("trak", "bergson", "bm25")
+                 **{m: row(np.load(work / f"scores_{m}.npy").astype(np.float64)) for m in BASELINES
                     if (work / f"scores_{m}.npy").exists()},
                  "agreement_with_kronfluence_on_returned": {
                      "pearson_median": round(float(np.median([a for a, _ in agree])), 4),
@@ -135,6 +147,42 @@ def main(argv: list[str] | None = None) -> dict:
     return out
 
 
+BASELINES = ("trak", "bergson", "bm25")
+
+
+def add_baselines(args: argparse.Namespace) -> dict:
+    """``--baselines-only``: the baselines' rows added to the earlier run's results file ``args.out``
+    (and its block of ``args.merge_into``), after checking the split and draws reproduce its EK-FAC row."""
+    work, out = Path(args.work), Path(args.out)
+    if not out.is_file():
+        raise SystemExit(f"{out}: no results file to add to (run without --baselines-only first)")
+    res = json.loads(out.read_text())
+    queries = json.loads((work / "queries.json").read_text())
+    E = np.load(work / "scores_ekfac.npy").astype(np.float64)
+    split = folder_split(work, queries, E.shape[1], args.subsets, args.tune_subsets, args.seed, args.split)
+    row = against(split, E, args.boot, args.seed + 11)
+    again = row(E)
+    if again != res["ekfac_all"] or len(split.queries) != res["queries"] or len(split.L) != res["subsets"]:
+        raise SystemExit(f"{out}: its EK-FAC row {res['ekfac_all']} is not reproduced ({again}, "
+                         f"{len(split.L)} subsets, {len(split.queries)} queries): another split or draws")
+    added = []
+    for m in BASELINES:
+        f = work / f"scores_{m}.npy"
+        if f.exists():
+            res[m] = row(np.load(f).astype(np.float64))
+            added.append(m)
+    if not added:
+        raise SystemExit(f"{work}: no baseline score file (scores_{{{','.join(BASELINES)}}}.npy)")
+    res.setdefault("baselines_added", []).append({
+        "methods": added, "command": "python bench/attribution/influence_lds.py " + " ".join(sys.argv[1:]),
+        "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")})
+    out.write_text(json.dumps(res, indent=2))
+    if args.merge_into:
+        merge(Path(args.merge_into), res, str(out), args.merge_key)
+    print(json.dumps({m: res[m] for m in added}, indent=2))
+    return res
+
+
 def merge(path: Path, res: dict, source: str, key: str = "fresh_split_influence") -> None:
     """The fresh split's LDS keys of ``res`` into the block ``key`` of the results file ``path`` (the rest
     of it unchanged)."""
@@ -145,8 +193,9 @@ def merge(path: Path, res: dict, source: str, key: str = "fresh_split_influence"
              "lds_prism_fast": res["prism_fast"]["lds"][0], "lds_prism_fast_ci": res["prism_fast"]["lds"],
              "lds_diff_prism_fast_ekfac_ci": res["prism_fast"]["diff_vs_ekfac_all"],
              "lds_ekfac": res["ekfac_all"]["lds"][0], "lds_ekfac_ci": res["ekfac_all"]["lds"],
-             **{f"lds_{m}": res[m]["lds"][0] for m in ("trak", "bergson", "bm25") if m in res},
-             **{f"lds_{m}_ci": res[m]["lds"] for m in ("trak", "bergson", "bm25") if m in res},
+             **{f"lds_{m}": res[m]["lds"][0] for m in BASELINES if m in res},
+             **{f"lds_{m}_ci": res[m]["lds"] for m in BASELINES if m in res},
+             **{f"lds_diff_{m}_ekfac_ci": res[m]["diff_vs_ekfac_all"] for m in BASELINES if m in res},
              "verbatim_r1_served_order": res["verbatim_r1_served_order"],
              "opposed_share_mean": res.get("opposed_share_mean"),
              "seconds_per_query_median": res["seconds_per_query_median"],

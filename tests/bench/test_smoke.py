@@ -391,3 +391,36 @@ def test_steering_perplexity_ratio_interval_resamples_documents():
     assert lo < whole < hi and hi - lo < 0.01
     same = np.stack([tokens, tokens * 4.0 + tokens * 0.02], 1)  # every document's loss up by 0.02 per token
     assert boot_ppl_ratio(base, same) == [round(float(np.exp(0.02)), 4)] * 2
+
+
+def test_baselines_are_added_on_the_same_draws_and_only_to_the_same_split(tmp_path):
+    """``influence_lds.py --baselines-only`` adds a baseline's row to an earlier run's file, equal to what
+    the full run computes for it on the same split and draws, and refuses a file of another split."""
+    import json
+
+    import numpy as np
+
+    from bench.attribution.influence_lds import main
+    from bench.attribution.lds_report import against, folder_split
+
+    rng = np.random.default_rng(0)
+    n_docs, n_sub, kinds = 24, 6, ["verbatim"] * 2 + ["paraphrase"] * 2 + ["heldout"] * 6
+    queries = [{"kind": k} for k in kinds]
+    (tmp_path / "queries.json").write_text(json.dumps(queries))
+    (tmp_path / "lds").mkdir()
+    for j in range(n_sub):
+        (tmp_path / "lds" / f"subset_{j:03d}.json").write_text(json.dumps({"loss": rng.normal(size=len(kinds)).tolist()}))
+    E, T = rng.normal(size=(len(kinds), n_docs)), rng.normal(size=(len(kinds), n_docs))
+    np.save(tmp_path / "scores_ekfac.npy", E)
+    np.save(tmp_path / "scores_trak.npy", T)
+    split = folder_split(tmp_path, queries, n_docs, n_sub, n_sub, 3, "all")
+    row = against(split, E, 200, 3 + 11)
+    out = tmp_path / "influence.json"
+    out.write_text(json.dumps({"ekfac_all": row(E), "queries": len(split.queries), "subsets": n_sub}))
+    argv = ["--work", str(tmp_path), "--subsets", str(n_sub), "--split", "all", "--seed", "3", "--boot", "200",
+            "--out", str(out), "--baselines-only"]
+    res = main(argv)
+    assert res["trak"] == row(T) and "bergson" not in res
+    assert json.loads(out.read_text())["trak"] == row(T)
+    with pytest.raises(SystemExit, match="not reproduced"):  # another seed: other subsets, other draws
+        main([*argv[:6], "--seed", "4", *argv[8:]])
