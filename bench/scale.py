@@ -48,6 +48,7 @@ import httpx
 import numpy as np
 
 from bench._common import finish, served
+from bench.scale_corpus import MANIFEST
 from prism_tda.engine import layout
 from prism_tda.indexer.merge import merge_index
 from prism_tda.model.tokenizer import load_tokenizer
@@ -465,7 +466,9 @@ def main(argv: list[str] | None = None) -> dict:
                        "tokens_per_s": round(int(cum[-1]) / build["wall_s"], 1) if build.get("wall_s") else None,
                        "calibration_s": calib_s, "faiss": m.calibration.faiss_spec if m.calibration else None},
         "corpus": {"source": "bench/scale_corpus.py: Debian documentation packages, fortunes, planted facts (real text)",
-                   "indexed_files": indexed, "held_out_file": str(held_file)},
+                   "indexed_files": indexed, "held_out_file": str(held_file),
+                   # which text this was (per source, and each file's hash): scale_corpus.py's manifest
+                   "manifest": json.loads((corpus / MANIFEST).read_text()) if (corpus / MANIFEST).is_file() else None},
         "model": m.model,
         "targets": {"disk_bytes_per_token": 64, "serve_anon_bytes_per_token": 8, "latency_growth_16x": 2.0,
                     "p50_ms_largest": 100, "overlap_at_10_fast_vs_exact": 0.9, "largest_real_tokens": 16e6,

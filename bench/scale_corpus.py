@@ -9,7 +9,10 @@ Sources, in this order (each file cut into documents of about 2,000 characters a
 the Python 3.11 documentation's reStructuredText sources, Perl's POD, PostgreSQL's and Git's HTML
 and text documentation (tags stripped), the manual pages (roff requests stripped), the GNU info
 manuals and the fortunes, shuffled (seeded) so that every prefix mixes every source, and 30
-planted facts (20 copies each) spread through it. Files are written as JSONL of about 16 MB each;
+planted facts (20 copies each) spread through it. Files are written as JSONL of about 16 MB each,
+with ``manifest.json`` (documents and characters per source, each file's SHA-256: the manual pages
+come from every installed package, so two machines build different corpora, and ``bench/scale.py``
+copies the manifest into its results to say which one it read);
 ``bench/scale.py`` indexes a prefix of them and takes its queries from the last.
 """
 
@@ -17,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import gzip
+import hashlib
 import html
 import json
 import random
@@ -123,7 +127,25 @@ def main(argv: list[str] | None = None) -> None:
     if fh is not None:
         fh.close()
     total = sum(p.stat().st_size for p in out.glob("part-*.jsonl"))
-    print(json.dumps({"documents": len(docs), "files": n_file, "bytes": total}))
+    info = {"documents": len(docs), "files": n_file, "bytes": total}
+    (out / MANIFEST).write_text(json.dumps(info | corpus_manifest(docs, out), indent=2))
+    print(json.dumps(info))
+
+
+MANIFEST = "manifest.json"
+
+
+def corpus_manifest(docs: list[dict], out: Path) -> dict:
+    """What this build of the corpus holds, so two runs can tell whether they read the same text: the
+    documents and characters of each source (the manual pages come from every installed package, so
+    they differ between machines) and each file's SHA-256."""
+    per: dict[str, dict[str, int]] = {}
+    for d in docs:
+        s = per.setdefault(d.get("source", "fortunes"), {"documents": 0, "characters": 0})
+        s["documents"] += 1
+        s["characters"] += len(d["text"])
+    return {"sources": dict(sorted(per.items())),
+            "sha256": {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(out.glob("part-*.jsonl"))}}
 
 
 if __name__ == "__main__":

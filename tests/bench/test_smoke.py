@@ -424,3 +424,19 @@ def test_baselines_are_added_on_the_same_draws_and_only_to_the_same_split(tmp_pa
     assert json.loads(out.read_text())["trak"] == row(T)
     with pytest.raises(SystemExit, match="not reproduced"):  # another seed: other subsets, other draws
         main([*argv[:6], "--seed", "4", *argv[8:]])
+
+
+def test_scale_corpus_manifest_counts_each_source_and_hashes_each_file(tmp_path):
+    import hashlib
+
+    from bench.scale_corpus import corpus_manifest
+
+    docs = [{"source": "man", "text": "abc"}, {"source": "man", "text": "de"}, {"text": "fortune"},
+            {"source": "planted", "text": "x"}]
+    (tmp_path / "part-000.jsonl").write_text("one\n")
+    (tmp_path / "part-001.jsonl").write_text("two\n")
+    m = corpus_manifest(docs, tmp_path)
+    assert m["sources"] == {"fortunes": {"documents": 1, "characters": 7}, "man": {"documents": 2, "characters": 5},
+                            "planted": {"documents": 1, "characters": 1}}
+    assert m["sha256"] == {"part-000.jsonl": hashlib.sha256(b"one\n").hexdigest(),
+                           "part-001.jsonl": hashlib.sha256(b"two\n").hexdigest()}
