@@ -212,14 +212,14 @@ def add_demo_query_args(ap, out: str, repeats: int) -> None:
 
 def demo_queries(args) -> tuple:
     """(the index's Attributor, the query specs, the options: top 10) for :func:`add_demo_query_args`'s
-    options: ``--prompts`` prompts (after the first ``--first-prompt``) of ``--prompt-tokens`` tokens cut from the demo corpus, each followed
-    by ``--completion``; torch on every core."""
+    options: ``--prompts`` prompts (after the first ``--first-prompt``) of ``--prompt-tokens`` tokens cut
+    from the demo corpus, each followed by ``--completion``; torch on every core."""
     from bench.service_load import prompts_of
     from prism_tda.engine import Attributor, QueryOptions, QuerySpec
 
     torch.set_num_threads(os.cpu_count() or 1)
     att = Attributor.open(args.index)
-    first = getattr(args, "first_prompt", 0)
+    first = args.first_prompt
     prompts = prompts_of(Path(att.manifest.checkpoint) / "tokenizer.json", first + args.prompts,
                          args.prompt_tokens)[first:]
     return att, [QuerySpec(p, args.completion) for p in prompts], QueryOptions(n_documents=10)

@@ -43,7 +43,7 @@ import numpy as np
 from scipy.stats import spearmanr
 
 from bench._common import finish, index_documents
-from bench.attribution.lds_report import add_folder_args, against, folder_split, on_best
+from bench.attribution.lds_report import Split, add_folder_args, against, folder_split, on_best
 from bench.attribution.run_eval import rank_of
 
 
@@ -76,11 +76,8 @@ def main(argv: list[str] | None = None) -> dict:
     from prism_tda.engine.influence import DEFAULT_DAMPING, fit_index
 
     torch.set_num_threads(2)
-    work = Path(args.work)
-    queries = json.loads((work / "queries.json").read_text())
-    E = np.load(work / "scores_ekfac.npy").astype(np.float64)
+    work, queries, E, split = reference(args)
     n_docs = E.shape[1]
-    split = folder_split(work, queries, n_docs, args.subsets, args.tune_subsets, args.seed, args.split)
     dampings = sorted({float(x) for x in args.dampings.split(",")} | {DEFAULT_DAMPING})
     fitted = None
     if not (work / "index" / store.EKFAC).exists():
@@ -127,8 +124,7 @@ def main(argv: list[str] | None = None) -> dict:
                  "ekfac_on_served": row(np.where(K, E, 0.0)),
                  "ekfac_on_score_top": row(on_best(E, S, args.k)),
                  "opposed_share_mean": round(float(np.mean(opposed)), 4),
-                 **{m: row(np.load(work / f"scores_{m}.npy").astype(np.float64)) for m in BASELINES
-                    if (work / f"scores_{m}.npy").exists()},
+                 **baseline_rows(work, row),
                  "agreement_with_kronfluence_on_returned": {
                      "pearson_median": round(float(np.median([a for a, _ in agree])), 4),
                      "spearman_median": round(float(np.median([b for _, b in agree])), 4)},
@@ -150,36 +146,45 @@ def main(argv: list[str] | None = None) -> dict:
 BASELINES = ("trak", "bergson", "bm25")
 
 
-def add_baselines(args: argparse.Namespace) -> dict:
-    """``--baselines-only``: the baselines' rows added to the earlier run's results file ``args.out``
-    (and its block of ``args.merge_into``), after checking the split and draws reproduce its EK-FAC row."""
-    work, out = Path(args.work), Path(args.out)
-    if not out.is_file():
-        raise SystemExit(f"{out}: no results file to add to (run without --baselines-only first)")
-    res = json.loads(out.read_text())
+def reference(args: argparse.Namespace) -> tuple[Path, list[dict], np.ndarray, Split]:
+    """The work folder, its queries, EK-FAC's scores of every document (the reference) and the split."""
+    work = Path(args.work)
     queries = json.loads((work / "queries.json").read_text())
     E = np.load(work / "scores_ekfac.npy").astype(np.float64)
     split = folder_split(work, queries, E.shape[1], args.subsets, args.tune_subsets, args.seed, args.split)
+    return work, queries, E, split
+
+
+def baseline_rows(work: Path, row) -> dict:
+    """``row`` of each baseline whose score file the work folder holds."""
+    files = {m: work / f"scores_{m}.npy" for m in BASELINES}
+    return {m: row(np.load(f).astype(np.float64)) for m, f in files.items() if f.exists()}
+
+
+def add_baselines(args: argparse.Namespace) -> dict:
+    """``--baselines-only``: the baselines' rows added to the earlier run's results file ``args.out``
+    (and its block of ``args.merge_into``), after checking the split and draws reproduce its EK-FAC row."""
+    out = Path(args.out)
+    if not out.is_file():
+        raise SystemExit(f"{out}: no results file to add to (run without --baselines-only first)")
+    res = json.loads(out.read_text())
+    work, _, E, split = reference(args)
     row = against(split, E, args.boot, args.seed + 11)
     again = row(E)
     if again != res["ekfac_all"] or len(split.queries) != res["queries"] or len(split.L) != res["subsets"]:
         raise SystemExit(f"{out}: its EK-FAC row {res['ekfac_all']} is not reproduced ({again}, "
                          f"{len(split.L)} subsets, {len(split.queries)} queries): another split or draws")
-    added = []
-    for m in BASELINES:
-        f = work / f"scores_{m}.npy"
-        if f.exists():
-            res[m] = row(np.load(f).astype(np.float64))
-            added.append(m)
+    added = baseline_rows(work, row)
     if not added:
         raise SystemExit(f"{work}: no baseline score file (scores_{{{','.join(BASELINES)}}}.npy)")
+    res |= added
     res.setdefault("baselines_added", []).append({
-        "methods": added, "command": "python bench/attribution/influence_lds.py " + " ".join(sys.argv[1:]),
+        "methods": list(added), "command": "python bench/attribution/influence_lds.py " + " ".join(sys.argv[1:]),
         "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")})
     out.write_text(json.dumps(res, indent=2))
     if args.merge_into:
         merge(Path(args.merge_into), res, str(out), args.merge_key)
-    print(json.dumps({m: res[m] for m in added}, indent=2))
+    print(json.dumps(added, indent=2))
     return res
 
 

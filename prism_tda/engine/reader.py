@@ -473,24 +473,24 @@ class IndexReader(IndexWide):
         return [(int(r[i]), float(a[i])) for i in order]
 
     # --------------------------------------------------------------------------- documents
-    def document(self, doc: int) -> dict:
-        s = int(np.searchsorted(self.doc_base, doc, side="right") - 1)
-        if not 0 <= s < len(self.manifest.shards) or doc >= self.n_docs:
-            raise KeyError(doc)
-        local = int(doc - self.doc_base[s])
-        rows = self.shard(s).group_rows
-        group = self._doc_group(s, local // rows)
-        rec = {k: v[local % rows] for k, v in group.items()}
-        rec["doc_id"] = int(doc)
-        return rec
-
-    def external_id(self, doc: int) -> str:
+    def _doc_place(self, doc: int) -> tuple[int, int, int]:
+        """(shard, row group, row in the group) of the document ``doc``; KeyError outside the index."""
         s = int(np.searchsorted(self.doc_base, doc, side="right") - 1)
         if not 0 <= s < len(self.manifest.shards) or not 0 <= doc < self.n_docs:
             raise KeyError(doc)
         local = int(doc - self.doc_base[s])
         rows = self.shard(s).group_rows
-        return self._id_group(s, local // rows)[local % rows]
+        return s, local // rows, local % rows
+
+    def document(self, doc: int) -> dict:
+        s, g, r = self._doc_place(doc)
+        rec = {k: v[r] for k, v in self._doc_group(s, g).items()}
+        rec["doc_id"] = int(doc)
+        return rec
+
+    def external_id(self, doc: int) -> str:
+        s, g, r = self._doc_place(doc)
+        return self._id_group(s, g)[r]
 
 
 def ranges(starts: np.ndarray, ends: np.ndarray) -> np.ndarray:
