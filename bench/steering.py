@@ -53,6 +53,16 @@ over prompts.
    same generations; then, because on-topic generations are rare under it, a fresh draw of
    ``--strict-samples`` samples per prompt (other seeds) for the base, the selected set and its control.
 
+10. **Prompts that invite the topic** (the paper's setting: a behaviour is measured where the context
+   asks for it, so the base rate is high and a large drop is measurable at all): the openings of the
+   topic's documents that discovery did not read (a seeded draw; each document's first
+   ``ELICIT_TOKENS`` tokens, at most half of it, at least 2; distinct openings only), ``--elicit-prompts``
+   of them, ``--samples`` seeded samples each (their own sampling seed). Only the continuation is judged,
+   never the prompt, by both judges. The base, the selected set at alpha 0 (the primary row, fixed before
+   the first run), its random control (the same prototypes as step 6's), the headline set, and the
+   selected set at alpha 0.25 and 0.5; the largest drop each judge can show is ``1 - false-positive rate
+   / base rate``. Nothing earlier is changed by it (its random streams are its own).
+
     python -m bench.steering --index runs/demo_idle/index
 
 Writes ``bench/results/steering.json`` and ``docs/img/steering.png`` (with matplotlib installed).
@@ -83,6 +93,7 @@ PROMPTS = ["The", "I", "You", "A man", "My", "When", "There is", "It is", "Never
            "The only", "Whatever", "Those who", "Many", "Few", "Truth"]
 SIZES = [1, 2, 5, 10, 20, 50]
 STRICT_FP = 0.01  # the strict judge's false-positive rate (step 9), fixed before its first run
+ELICIT_TOKENS = 8  # step 10: a topic document's opening, in tokens (at most half of the document)
 # openings for the selection's tuning generations only (none is an evaluation prompt)
 TUNE_PROMPTS = ["So", "Before", "After all", "A woman", "Your", "Sometimes", "There was", "Yesterday", "Perhaps",
                 "Nobody", "The first", "Every man", "Be", "Do not", "It takes", "God", "Money", "Work", "Friends",
@@ -251,6 +262,24 @@ def rate_row(on: np.ndarray, base_on: np.ndarray, n_prompts: int, samples: int) 
             "topic_rate_drop_ci": boot_drop(base_on, on, n_prompts, samples)}
 
 
+def elicit_openings(docs: list[list[int]], n: int, rng: np.random.Generator) -> list[list[int]]:
+    """Up to ``n`` distinct openings of the documents (token ids), in a seeded order: each one's first
+    ``ELICIT_TOKENS`` tokens, at most half of it, at least 2 (documents shorter than 4 tokens are skipped)."""
+    out: list[list[int]] = []
+    seen: set[tuple[int, ...]] = set()
+    for i in rng.permutation(len(docs)):
+        d = docs[i]
+        if len(d) < 4:
+            continue
+        o = tuple(d[: max(2, min(ELICIT_TOKENS, len(d) // 2))])
+        if o not in seen:
+            seen.add(o)
+            out.append(list(o))
+        if len(out) == n:
+            break
+    return out
+
+
 def plot(res: dict, path: Path) -> None:
     try:
         import matplotlib
@@ -310,6 +339,8 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--strict-samples", type=int, default=100,
                     help="samples per prompt of the strict judge's larger, fresh draw (base, selected set, its "
                          "control); 0: none")
+    ap.add_argument("--elicit-prompts", type=int, default=50,
+                    help="step 10: openings of topic documents discovery did not read, as prompts; 0: none")
     ap.add_argument("--out", default="bench/results/steering.json")
     ap.add_argument("--plot", default="docs/img/steering.png")
     args = ap.parse_args(argv)
@@ -501,6 +532,32 @@ def main(argv: list[str] | None = None) -> dict:
             "largest_drop_at_floor": round(1 - fp_strict / max(float(big["base"].mean()), 1e-9), 4),
             "selected": big_row(big["selected"]), "selected_control_random": big_row(big["selected_control_random"]),
             "selected_control_prototypes": [int(c) for c in sel_ctrl_ids]}
+    # 10. prompts that invite the topic: openings of its documents discovery did not read
+    elicit = None
+    if args.elicit_prompts and selected:
+        openings = elicit_openings([tok.encode(docs["text"][i]).ids for i in np.nonzero(topic & ~(trained & half))[0]],
+                                   args.elicit_prompts, np.random.default_rng(args.seed + 5))
+        n_e, e_seed = len(openings), args.seed + 31
+
+        def judged(sup: list[int] | None, alpha: float = 0.0) -> np.ndarray:
+            gens = sample(model, openings, n_s, args.new_tokens, sup, e_seed, eos, alpha)
+            return clf.proba([tok.decode(g) for g in gens])
+
+        e_p = {"base": judged(None), "selected": judged(selected), "selected_control_random": judged(sel_ctrl_ids),
+               "headline": judged(head["prototypes"]), "selected_alpha_0.25": judged(selected, 0.25),
+               "selected_alpha_0.5": judged(selected, 0.5)}
+        elicit = {"rule": (f"prompts: the first {ELICIT_TOKENS} tokens (at most half, at least 2) of the topic's "
+                           "documents discovery did not read, distinct, a seeded draw; only continuations judged; "
+                           "primary row: the selected set at alpha 0, fixed before the first run"),
+                  "prompts": n_e, "samples_per_prompt": n_s, "generations": n_e * n_s, "sampling_seed": e_seed,
+                  "examples": [tok.decode(o) for o in openings[:5]]}
+        for judge, t_j, fp_j in (("default_judge", 0.5, fp), ("strict_judge", thr, fp_strict)):
+            on = {k: (v > t_j).astype(float) for k, v in e_p.items()}
+            elicit[judge] = {
+                "topic_rate_base": round(float(on["base"].mean()), 4), "topic_rate_base_ci": boot_rate(on["base"], n_e, n_s),
+                "largest_drop_at_floor": round(1 - fp_j / max(float(on["base"].mean()), 1e-9), 4),
+                **{k: rate_row(v, on["base"], n_e, n_s) for k, v in on.items() if k != "base"}}
+        print("elicited", {j: {k: v for k, v in elicit[j].items()} for j in ("default_judge", "strict_judge")}, flush=True)
     print("strict judge", {k: v for k, v in strict.items() if k != "rule"}, flush=True)
     print("floor", floor, "whole bank", whole["topic_rate"], whole["other_ppl_ratio"], flush=True)
     for name in sets:
@@ -543,7 +600,7 @@ def main(argv: list[str] | None = None) -> dict:
             "prototypes": selected, "share_of_bank": round(len(selected) / K, 4), "seconds": round(sel_s, 1),
             "heldout": sel_eval, "control_random": sel_ctrl},
         "alpha_curve": alpha_curve, "projection": projection,
-        "classifier_floor": floor, "whole_bank_suppressed": whole, "strict_judge": strict,
+        "classifier_floor": floor, "whole_bank_suppressed": whole, "strict_judge": strict, "elicited_prompts": elicit,
         "curve": curve, "examples": {"base": base["examples"], **{f"suppressed_{k}": v for k, v in examples.items()}},
         "seconds": round(time.perf_counter() - t0, 1),
     }

@@ -393,6 +393,24 @@ def test_steering_perplexity_ratio_interval_resamples_documents():
     assert boot_ppl_ratio(base, same) == [round(float(np.exp(0.02)), 4)] * 2
 
 
+def test_steering_elicit_openings_are_distinct_seeded_document_openings():
+    """bench/steering.py's step 10 prompts: each a document's first ELICIT_TOKENS tokens (at most half of it,
+    at least 2), distinct, in a seeded order; documents under 4 tokens are never used."""
+    import numpy as np
+
+    from bench.steering import ELICIT_TOKENS, elicit_openings
+
+    docs = [list(range(100 + i, 130 + i)) for i in range(5)] + [[1, 2, 3, 4, 5, 6]] + [[7, 8, 9]]
+    docs.append(list(docs[0]))  # the same text twice: one opening
+    out = elicit_openings(docs, 10, np.random.default_rng(0))
+    assert len(out) == 6 and len({tuple(o) for o in out}) == 6
+    assert [1, 2, 3] in out and [7, 8] not in out and [7, 8, 9] not in out  # at most half of a 6-token document
+    assert all(o == d[: len(o)] for o in out for d in docs if d[:2] == o[:2])
+    assert max(len(o) for o in out) == ELICIT_TOKENS
+    assert out == elicit_openings(docs, 10, np.random.default_rng(0))
+    assert elicit_openings(docs, 2, np.random.default_rng(0)) == out[:2]
+
+
 def test_baselines_are_added_on_the_same_draws_and_only_to_the_same_split(tmp_path):
     """``influence_lds.py --baselines-only`` adds a baseline's row to an earlier run's file, equal to what
     the full run computes for it on the same split and draws, and refuses a file of another split."""
@@ -424,6 +442,19 @@ def test_baselines_are_added_on_the_same_draws_and_only_to_the_same_split(tmp_pa
     assert json.loads(out.read_text())["trak"] == row(T)
     with pytest.raises(SystemExit, match="not reproduced"):  # another seed: other subsets, other draws
         main([*argv[:6], "--seed", "4", *argv[8:]])
+
+
+def test_scale_overlap_queries_after_a_skip_are_the_ones_no_earlier_run_asked(tiny_corpus, tiny_tokenizer):
+    """bench/scale.py --overlap-skip: the first ``skip`` queries of the seeded draw are exactly an earlier
+    run's (``n = skip``), and the ones after them are new."""
+    from bench.scale import overlap_queries
+
+    first = overlap_queries(tiny_corpus, tiny_tokenizer, 6)
+    fresh = overlap_queries(tiny_corpus, tiny_tokenizer, 10, skip=6)
+    both = overlap_queries(tiny_corpus, tiny_tokenizer, 16)
+    assert len(first) == 6 and len(fresh) == 10 and all(q["kind"] == "held_out" for q in first + fresh)
+    assert both == first + fresh
+    assert not {q["id"] for q in first} & {q["id"] for q in fresh}
 
 
 def test_scale_corpus_manifest_counts_each_source_and_hashes_each_file(tmp_path):
