@@ -36,6 +36,7 @@ Writes ``bench/results/scale.json`` and ``docs/img/scale.png`` (with matplotlib 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime as dt
 import json
 import os
@@ -175,55 +176,81 @@ def serve_and_measure(index: Path, queries: list[dict], n_requests: int, clients
 
 
 # --------------------------------------------------------------------------- fast vs exact
-def overlap_fast_exact(index: Path, queries: list[dict], k: int = 10) -> dict:
+def overlap_fast_exact(index: Path, queries: list[dict], k: int = 10, arms: dict | None = None) -> dict:
+    """The served fast path's top ``k`` against exact mode's on ``queries`` (one exact pass). ``arms``: other
+    first-stage settings (name: ``FirstStages``) measured on the same queries and exact pass, the arms
+    alternating per query; their summaries and paired differences against the served one go under
+    ``arms``."""
     import torch
 
-    from prism_tda.engine import Attributor, QueryOptions, QuerySpec
+    from prism_tda.engine import Attributor, FirstStages, QueryOptions, QuerySpec
 
     torch.set_num_threads(os.cpu_count() or 1)
     att = Attributor.open(index)
     specs = [QuerySpec(q["prompt"], q["completion"]) for q in queries]
     encoded = [att.encode(s) for s in specs]
-    t0 = time.perf_counter()
-    fast = [[d.doc_id for d in att.attribute(s, QueryOptions(n_documents=k, include_untrained=True, **OPTIONS)).documents]
-            for s in specs]
-    fast_s = time.perf_counter() - t0
+    settings = {"served": att.stages, **(arms or {})}
+    fast: dict[str, list] = {a: [] for a in settings}
+    secs: dict[str, float] = {a: 0.0 for a in settings}
+    for i, s in enumerate(specs):
+        names = list(settings) if i % 2 == 0 else list(settings)[::-1]
+        for a in names:
+            att.stages = settings[a]
+            t0 = time.perf_counter()
+            fast[a].append([d.doc_id for d in att.attribute(s, QueryOptions(n_documents=k, include_untrained=True,
+                                                                                **OPTIONS)).documents])
+            secs[a] += time.perf_counter() - t0
+    att.stages = settings["served"]
     t0 = time.perf_counter()
     exact = att.exact_document_scores(encoded, progress=True)
     exact_s = time.perf_counter() - t0
-    per_query = []
-    for q, f, e in zip(queries, fast, exact, strict=True):
-        s = e["cosine_max"]
-        top = np.argsort(-s, kind="stable")[:k]
-        top = top[s[top] > 0]
-        # beside the strict set overlap: the exact score mass the fast top-k keeps (no tolerance to
-        # choose), and how many documents score within 0.1% of the exact k-th best (near-ties, where
-        # the strict overlap is decided by the last digits)
-        kth = float(s[top[-1]]) if len(top) else 0.0
-        ratio = float(s[f].sum() / s[top].sum()) if len(top) and s[top].sum() > 0 else 1.0
-        per_query.append({"id": q["id"], "kind": q["kind"], "overlap": len(set(f) & set(top.tolist())) / max(len(top), 1),
-                          "score_ratio": round(ratio, 4), "near_ties": int((s >= kth - 1e-3 * abs(kth)).sum())})
-    ov = np.array([p["overlap"] for p in per_query])
-    ratio = np.array([p["score_ratio"] for p in per_query])
-    tied = np.array([p["near_ties"] > k for p in per_query])
-    kinds = sorted({p["kind"] for p in per_query})
     rng = np.random.default_rng(0)
-    draws = rng.integers(0, len(ov), (1000, len(ov)))
+    draws = rng.integers(0, len(queries), (1000, len(queries)))
 
     def ci(x: np.ndarray) -> list[float]:
         b = x[draws].mean(1)
         return [round(float(np.percentile(b, 2.5)), 3), round(float(np.percentile(b, 97.5)), 3)]
 
-    return {"tokens": att.reader.n_tokens, "queries": len(queries), "overlap_at_10": round(float(ov.mean()), 3),
-            "ci95": ci(ov),
-            "score_ratio_at_10": round(float(ratio.mean()), 4), "score_ratio_ci95": ci(ratio),
-            "queries_with_near_ties": int(tied.sum()),
-            "overlap_at_10_without_near_ties": round(float(ov[~tied].mean()), 3) if (~tied).any() else None,
-            "overlap_at_10_with_near_ties": round(float(ov[tied].mean()), 3) if tied.any() else None,
-            "by_kind": {kd: round(float(np.mean([p["overlap"] for p in per_query if p["kind"] == kd])), 3)
-                        for kd in kinds},
-            "fast_seconds_per_query": round(fast_s / len(queries), 3), "exact_pass_seconds": round(exact_s, 1),
-            "per_query": per_query}
+    def summary(arm: str) -> dict:
+        per_query = []
+        for q, f, e in zip(queries, fast[arm], exact, strict=True):
+            s = e["cosine_max"]
+            top = np.argsort(-s, kind="stable")[:k]
+            top = top[s[top] > 0]
+            # beside the strict set overlap: the exact score mass the fast top-k keeps (no tolerance to
+            # choose), and how many documents score within 0.1% of the exact k-th best (near-ties, where
+            # the strict overlap is decided by the last digits)
+            kth = float(s[top[-1]]) if len(top) else 0.0
+            ratio = float(s[f].sum() / s[top].sum()) if len(top) and s[top].sum() > 0 else 1.0
+            per_query.append({"id": q["id"], "kind": q["kind"],
+                              "overlap": len(set(f) & set(top.tolist())) / max(len(top), 1),
+                              "score_ratio": round(ratio, 4), "near_ties": int((s >= kth - 1e-3 * abs(kth)).sum())})
+        ov = np.array([p["overlap"] for p in per_query])
+        ratio = np.array([p["score_ratio"] for p in per_query])
+        tied = np.array([p["near_ties"] > k for p in per_query])
+        kinds = sorted({p["kind"] for p in per_query})
+        return {"tokens": att.reader.n_tokens, "queries": len(queries), "overlap_at_10": round(float(ov.mean()), 3),
+                "ci95": ci(ov),
+                "score_ratio_at_10": round(float(ratio.mean()), 4), "score_ratio_ci95": ci(ratio),
+                "queries_with_near_ties": int(tied.sum()),
+                "overlap_at_10_without_near_ties": round(float(ov[~tied].mean()), 3) if (~tied).any() else None,
+                "overlap_at_10_with_near_ties": round(float(ov[tied].mean()), 3) if tied.any() else None,
+                "by_kind": {kd: round(float(np.mean([p["overlap"] for p in per_query if p["kind"] == kd])), 3)
+                            for kd in kinds},
+                "fast_seconds_per_query": round(secs[arm] / len(queries), 3), "exact_pass_seconds": round(exact_s, 1),
+                "per_query": per_query}
+
+    out = summary("served")
+    if arms:
+        base = np.array([p["overlap"] for p in out["per_query"]])
+        out["arms"] = {}
+        for a, st in arms.items():
+            m = summary(a)
+            diff = np.array([p["overlap"] for p in m["per_query"]]) - base
+            out["arms"][a] = {"stages": dataclasses.asdict(st), **m, "overlap_diff_vs_served": round(float(diff.mean()), 3),
+                              "overlap_diff_ci95": ci(diff)}
+        out["stages"] = dataclasses.asdict(settings["served"]) if isinstance(settings["served"], FirstStages) else None
+    return out
 
 
 def plot(res: dict, path: Path) -> None:
@@ -359,7 +386,11 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--overlap-queries", type=int, default=24, help="held-out queries (plus planted facts)")
     ap.add_argument("--overlap-skip", type=int, default=0,
                     help="skip the first N held-out queries of the draw (queries an earlier run looked at); with "
-                         "N > 0, --overlap-only writes the block 'overlap_fresh' and leaves the headline key alone")
+                         "N > 0, --overlap-only writes the block --overlap-key and leaves the headline key alone")
+    ap.add_argument("--overlap-key", default="overlap_fresh", help="the block --overlap-skip writes")
+    ap.add_argument("--stages-b", type=json.loads, default=None,
+                    help='with --overlap-only: also measure the fast path under these FirstStages fields, e.g. '
+                         '\'{"best_cells": 8}\' (same queries and exact pass)')
     ap.add_argument("--options", type=json.loads, default={},
                     help='QueryOptions fields every fast query also sends, e.g. \'{"exact_rerank": 32}\'')
     ap.add_argument("--out", default="bench/results/scale.json")
@@ -387,7 +418,10 @@ def main(argv: list[str] | None = None) -> dict:
         ov_queries = overlap_queries(held_file, tok_path, args.overlap_queries, args.overlap_skip)
         if not args.overlap_skip:  # the planted facts were asked by the first run already
             ov_queries += [dict(q, kind="planted") for q in planted_queries(corpus, indexed)]
-        return overlap_fast_exact(ov_ix, ov_queries)
+        from prism_tda.engine import FirstStages
+
+        arms = {"b": FirstStages(**args.stages_b)} if args.stages_b else None
+        return overlap_fast_exact(ov_ix, ov_queries, arms=arms)
 
     if args.overlap_only:
         res = json.loads(Path(args.out).read_text())
@@ -396,7 +430,7 @@ def main(argv: list[str] | None = None) -> dict:
         ov["date"] = dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")
         if args.overlap_skip:  # fresh queries: beside the headline, which stays the first run's
             ov["held_out_queries_skipped"] = args.overlap_skip
-            res["overlap_fresh"] = ov
+            res[args.overlap_key] = ov
         else:
             res["overlap"], res["overlap_at_10_fast_vs_exact"] = ov, ov["overlap_at_10"]
         Path(args.out).write_text(json.dumps(res, indent=2))

@@ -35,6 +35,11 @@ class FirstStages:
     proto_candidates: int = 64  # heaviest query prototypes whose lists are read
     token_candidates: int = 512  # best tokens whose sequences become candidates
     row_budget: int = 1 << 15  # posting entries read at most, over every shard
+    # the best cell of each of this many heaviest query prototypes is read first, whatever its priority:
+    # a heavy prototype whose query column lies between cells ranks its best list below lighter
+    # prototypes', and the tokens that match the query best can sit there (docs/benchmarks.md, "The
+    # heaviest prototypes' best cells first"); 0: priority order only
+    best_cells: int = 8
 
 
 @dataclass(frozen=True)
@@ -63,6 +68,9 @@ def posting_plan(reader: Reads, G: torch.Tensor, pre: Preconditioner, stages: Fi
     C = reader.n_cells
     groups = (heavy.numpy()[:, None] * C + np.arange(C)[None, :]).reshape(-1)  # (P * C,) list ids
     ranked = groups[np.argsort(-priority.reshape(-1), kind="stable")]
+    if stages.best_cells > 0:  # the heaviest prototypes' best cells first, heaviest first (``heavy`` is by weight)
+        first = heavy.numpy()[: stages.best_cells] * C + np.argmax(priority[: stages.best_cells], axis=1)
+        ranked = np.concatenate([first, ranked[~np.isin(ranked, first)]])
     # lists best first, as many as the budget holds: their lengths over the whole index are known
     # before anything is read (``reader.list_sizes``)
     total = reader.list_sizes[ranked]

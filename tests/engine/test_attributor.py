@@ -243,6 +243,30 @@ def test_token_stage_reads_under_its_budget_and_adds_candidates(att):
     assert set(only_faiss) <= set(base) and len(base) > len(only_faiss)
 
 
+def test_best_cells_reads_the_heaviest_prototypes_best_lists_first(att):
+    """``FirstStages.best_cells``: the best cell of each of the n heaviest query prototypes leads the plan,
+    heaviest first, whatever its priority among the other lists; the rest keep their order and the budget
+    still holds."""
+    import torch
+
+    q = att.encode(QuerySpec("A computer", " is a machine"))
+    pre = att.preconditioner()
+    base = posting_plan(att.reader, q.G, pre, FirstStages(row_budget=1 << 30))
+    n = 3
+    plan = posting_plan(att.reader, q.G, pre, FirstStages(row_budget=1 << 30, best_cells=n))
+    weight = (q.G * q.G * pre.inv).sum(1)
+    heavy = torch.argsort(weight, descending=True)[:n].numpy()
+    C = att.reader.n_cells
+    assert [int(g) // C for g in plan.lists[:n]] == heavy.tolist()
+    for g in plan.lists[:n]:  # each one's best cell: its first list in the priority order
+        assert g == next(b for b in base.lists if b // C == g // C)
+    rest = [b for b in base.lists if b not in set(plan.lists[:n].tolist())]
+    assert plan.lists[n:].tolist() == rest
+    for budget in (50, 400):
+        tok = read_postings(att.reader, posting_plan(att.reader, q.G, pre, FirstStages(row_budget=budget, best_cells=n)))
+        assert 0 < len(tok) <= budget
+
+
 def test_ivf_parts_are_searched_as_one_index(att, tiny_ckpt, tiny_corpus, tmp_path):
     """Shards' IVF parts share their template, so the reader stacks their lists and searches once; with
     every list probed, IVF-Flat finds what the Flat index of the same corpus finds, as global ids."""
