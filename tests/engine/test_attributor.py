@@ -251,7 +251,7 @@ def test_best_cells_reads_the_heaviest_prototypes_best_lists_first(att):
 
     q = att.encode(QuerySpec("A computer", " is a machine"))
     pre = att.preconditioner()
-    base = posting_plan(att.reader, q.G, pre, FirstStages(row_budget=1 << 30))
+    base = posting_plan(att.reader, q.G, pre, FirstStages(row_budget=1 << 30, best_cells=0))  # priority order only
     n = 3
     plan = posting_plan(att.reader, q.G, pre, FirstStages(row_budget=1 << 30, best_cells=n))
     weight = (q.G * q.G * pre.inv).sum(1)
