@@ -183,7 +183,7 @@ def overlap_fast_exact(index: Path, queries: list[dict], k: int = 10, arms: dict
     ``arms``."""
     import torch
 
-    from prism_tda.engine import Attributor, FirstStages, QueryOptions, QuerySpec
+    from prism_tda.engine import Attributor, QueryOptions, QuerySpec
 
     torch.set_num_threads(os.cpu_count() or 1)
     att = Attributor.open(index)
@@ -249,7 +249,7 @@ def overlap_fast_exact(index: Path, queries: list[dict], k: int = 10, arms: dict
             diff = np.array([p["overlap"] for p in m["per_query"]]) - base
             out["arms"][a] = {"stages": dataclasses.asdict(st), **m, "overlap_diff_vs_served": round(float(diff.mean()), 3),
                               "overlap_diff_ci95": ci(diff)}
-        out["stages"] = dataclasses.asdict(settings["served"]) if isinstance(settings["served"], FirstStages) else None
+        out["stages"] = dataclasses.asdict(settings["served"])
     return out
 
 

@@ -557,7 +557,7 @@ def main(argv: list[str] | None = None) -> dict:
                 "topic_rate_base": round(float(on["base"].mean()), 4), "topic_rate_base_ci": boot_rate(on["base"], n_e, n_s),
                 "largest_drop_at_floor": round(1 - fp_j / max(float(on["base"].mean()), 1e-9), 4),
                 **{k: rate_row(v, on["base"], n_e, n_s) for k, v in on.items() if k != "base"}}
-        print("elicited", {j: {k: v for k, v in elicit[j].items()} for j in ("default_judge", "strict_judge")}, flush=True)
+        print("elicited", {j: elicit[j] for j in ("default_judge", "strict_judge")}, flush=True)
     print("strict judge", {k: v for k, v in strict.items() if k != "rule"}, flush=True)
     print("floor", floor, "whole bank", whole["topic_rate"], whole["other_ppl_ratio"], flush=True)
     for name in sets:
