@@ -228,7 +228,7 @@ def main(argv: list[str] | None = None) -> dict:
     if args.guards_only:
         res = json.loads(Path(args.out).read_text())
         guards(res, args)
-        Path(args.out).write_text(json.dumps(res, indent=2))
+        Path(args.out).write_text(json.dumps(res, indent=2) + "\n")
         return res
     work = Path(args.work)
     queries = json.loads((work / "queries.json").read_text())

@@ -1,0 +1,210 @@
+"""Where every open target stands, read from the results files: one table, written to
+``docs/targets.md``, so the status page cannot drift from the measurements.
+
+    python -m bench.targets            # rewrite docs/targets.md from bench/results/*.json
+    python -m bench.targets --check    # exit 1 when docs/targets.md differs from what the files say
+
+Each row names the results file and the key it reads, the date that file was written, and whether the
+target is met: on the point estimate and, where the file gives a 95% interval, on its lower (or upper)
+bound too. Nothing here measures anything; re-run the benchmark that writes a file to move a row.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import operator
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+RESULTS = Path("bench/results")
+OUT = Path("docs/targets.md")
+
+OPS: dict[str, Callable[[float, float], bool]] = {">=": operator.ge, "<=": operator.le, "==": operator.eq}
+
+
+@dataclass(frozen=True)
+class Target:
+    """One target: ``key`` is a dotted path into ``file``; ``ci`` the path of its 95% interval, if any."""
+
+    issue: int
+    what: str
+    file: str
+    key: str
+    op: str | None  # None: reported, no numeric target
+    target: float | None = None
+    ci: str | None = None
+    note: str = ""
+    dated_by: str | None = None  # the file whose date stamps the row, when the key was copied from it
+    versus: str | None = None  # the target is this key's value in the same file, not ``target``
+
+
+def lookup(data: dict, path: str):
+    """``data``'s value at a dotted ``path``; KeyError naming the missing part."""
+    cur = data
+    for i, part in enumerate(path.split(".")):
+        if not isinstance(cur, dict) or part not in cur:
+            raise KeyError(".".join(path.split(".")[: i + 1]))
+        cur = cur[part]
+    return cur
+
+
+def status(value: float, op: str | None, target: float | None, ci: list[float] | None = None) -> str:
+    """``met``, ``met on the point, not on the interval`` or ``missed`` (``reported`` without a target)."""
+    if op is None or target is None:
+        return "reported"
+    if not OPS[op](value, target):
+        return "**missed**"
+    if ci is not None and op != "==":
+        bound = ci[0] if op == ">=" else ci[1]
+        if not OPS[op](bound, target):
+            return "met on the point, not on the interval"
+    return "met"
+
+
+def fmt(x: float) -> str:
+    if isinstance(x, bool) or not isinstance(x, int | float):
+        return str(x)
+    if float(x).is_integer():
+        return f"{int(x):,}"
+    a = abs(x)
+    if a >= 100:
+        return f"{x:,.0f}" if a >= 1000 else f"{x:.1f}"
+    return f"{x:.3f}".rstrip("0").rstrip(".") if a < 10 else f"{x:.2f}"
+
+
+TARGETS: list[Target] = [
+    # issue 24: answers you can trust
+    Target(24, "LDS: served fast path minus EK-FAC, two fresh splits pooled (paired)", "attribution.json",
+           "fresh_splits_influence_pooled.lds_diff_prism_fast_ekfac_ci.estimate", ">=", 0.0,
+           "fresh_splits_influence_pooled.lds_diff_prism_fast_ekfac_ci.ci95",
+           dated_by="attribution_influence_seed6.json"),
+    Target(24, "`lds_prism_fast` against `lds_ekfac`, the report split of 2026-12-02", "attribution.json",
+           "lds_prism_fast", ">=", versus="lds_ekfac"),
+    Target(24, "LDS: fast path with the `influence` option minus EK-FAC, same splits pooled", "attribution.json",
+           "fresh_splits_influence_pooled.lds_diff_prism_fast_influence_ekfac_ci.estimate", ">=", 0.0,
+           "fresh_splits_influence_pooled.lds_diff_prism_fast_influence_ekfac_ci.ci95",
+           "an option, not the default: about 3x a fast query's time", dated_by="attribution_influence_seed6.json"),
+    Target(24, "`near_tie_query_share` (exact `cosine_max`, >= 4M tokens)", "near_ties_scale.json",
+           "near_tie_query_share", "<=", 0.1),
+    Target(24, "`overlap_at_10_fast_vs_exact`, strict, 48 fresh queries at 6.22M tokens (no run had asked them)",
+           "scale.json", "overlap_fresh_best_cells.arms.b.overlap_at_10", ">=", 0.9,
+           "overlap_fresh_best_cells.arms.b.ci95", "arm b is the served first stages (`best_cells` 8)"),
+    Target(24, "`overlap_at_10_fast_vs_exact`, strict, 72 fresh queries at 6.22M tokens (then diagnosed)",
+           "scale.json", "overlap_fresh.overlap_at_10", ">=", 0.9, "overlap_fresh.ci95"),
+    Target(24, "`overlap_at_10_fast_vs_exact`, strict, the near-tie index: 24 held-out queries at 5.18M tokens, asked before", "near_ties_scale.json",
+           "overlap_at_10_fast_vs_exact", ">=", 0.9),
+    Target(24, "`canary_recall_at_10_verbatim`", "attribution.json", "canary_recall_at_10_verbatim", "==", 1.0),
+    Target(24, "`canary_recall_at_10_paraphrase`", "attribution.json", "canary_recall_at_10_paraphrase", ">=", 0.95),
+    Target(24, "`canary_recall_at_10_verbatim_memorised` (memorised-facts corpus)", "attribution_memorised.json",
+           "canary_recall_at_10_verbatim_memorised", "==", 1.0),
+    Target(24, "`candidate_recall_of_exact_top10_memorised`", "attribution_memorised.json",
+           "candidate_recall_of_exact_top10_memorised", "==", 1.0),
+    # issue 25: speed at scale
+    Target(25, "`/v1/attribute` p50 at one client, demo index (ms)", "service.json",
+           "targets.attribute_p50_ms_1_client.value", "<=", 60),
+    Target(25, "`/v1/attribute` p99 at 8 clients, demo index (ms)", "service.json",
+           "targets.attribute_p99_ms_8_clients.value", "<=", 400),
+    Target(25, "`/v1/attribute` errors", "service.json", "targets.errors.value", "==", 0),
+    Target(25, "`p50_ms_largest` (298M served tokens; synthetic copies of the real index)", "scale.json",
+           "p50_ms_largest", "<=", 100),
+    Target(25, "`p99_ms_largest_8_clients`", "scale.json", "p99_ms_largest_8_clients", None),
+    Target(25, "`latency_growth_16x`", "scale.json", "latency_growth_16x", "<=", 2.0),
+    Target(25, "disk bytes per token", "scale.json", "disk_bytes_per_token", "<=", 64),
+    Target(25, "serving anonymous memory, bytes per token", "scale.json", "serve_anon_bytes_per_token", "<=", 8),
+    Target(25, "`overlap_at_10_fast_vs_exact`, scale.json's 24 headline queries", "scale.json",
+           "overlap.overlap_at_10", ">=", 0.9, "overlap.ci95"),
+    Target(25, "indexing: shard stage / bare forward (`throughput_ratio`)", "index.json", "throughput_ratio", ">=", 0.8),
+    Target(25, "indexing: whole job / bare forward (`whole_job_ratio`)", "index.json", "whole_job_ratio", ">=", 0.6),
+    Target(25, "`speedup_vs_ekfac_single_query` (18,140 sequences)", "attribution_scaling_rerun.json",
+           "speedup_vs_ekfac_single_query", ">=", 1000),
+    # issue 27: control
+    Target(27, "`topic_rate_drop`, set selected by effect, neutral prompts, default judge", "steering.json",
+           "select_effect.heldout.topic_rate_drop", ">=", 0.75, "select_effect.heldout.topic_rate_drop_ci"),
+    Target(27, "`other_ppl_ratio`, the same set", "steering.json", "select_effect.heldout.other_ppl_ratio", "<=", 1.02,
+           "select_effect.heldout.other_ppl_ratio_ci"),
+    Target(27, "share of the bank suppressed", "steering.json", "select_effect.share_of_bank", "<=", 0.02),
+    Target(27, "`topic_rate_drop`, the same set, strict judge, 5,000 generations", "steering.json",
+           "strict_judge.larger_draw.selected.topic_rate_drop", ">=", 0.75,
+           "strict_judge.larger_draw.selected.topic_rate_drop_ci",
+           "this judge can show at most 0.735 at this base rate"),
+    Target(27, "`topic_rate_drop`, the same set, prompts that invite the topic, strict judge", "steering.json",
+           "elicited_prompts.strict_judge.selected.topic_rate_drop", ">=", 0.75,
+           "elicited_prompts.strict_judge.selected.topic_rate_drop_ci"),
+    Target(27, "`topic_rate_drop`, the same set, prompts that invite the topic, default judge", "steering.json",
+           "elicited_prompts.default_judge.selected.topic_rate_drop", ">=", 0.75,
+           "elicited_prompts.default_judge.selected.topic_rate_drop_ci"),
+    Target(27, "`controller_gain_points` (multiple choice, held out)", "control.json", "controller_gain_points", None,
+           None, "controller_gain_points_ci"),
+    Target(27, "random-direction controller of the same size, gain in points", "control.json", "random_gain_points",
+           None, None, "random_gain_points_ci"),
+]
+
+ISSUES = {24: "Answers you can trust", 25: "Speed at scale", 27: "Control"}
+
+
+def render(results: Path = RESULTS, targets: list[Target] = TARGETS) -> str:
+    """The page: one table per issue; a missing file or key is an error naming both."""
+    cache: dict[str, dict] = {}
+
+    def read(name: str) -> dict:
+        if name not in cache:
+            path = results / name
+            if not path.exists():
+                raise FileNotFoundError(f"{path}: results file missing (a target row reads it)")
+            cache[name] = json.loads(path.read_text())
+        return cache[name]
+
+    lines = [
+        "# Where the targets stand",
+        "",
+        "Written by `python -m bench.targets` from `bench/results/*.json` (CI checks that this page",
+        "matches them); each benchmark's command, machine and method are in `docs/benchmarks.md`.",
+        "\"Met on the point, not on the interval\": the estimate meets the target, its 95% interval",
+        "still crosses it.",
+    ]
+    for issue, title in ISSUES.items():
+        lines += ["", f"## Issue {issue}: {title}", "",
+                  "| measure | value (95% interval) | target | status | source (date) |",
+                  "|---|---|---|---|---|"]
+        for t in (t for t in targets if t.issue == issue):
+            data = read(t.file)
+            try:
+                value = lookup(data, t.key)
+                ci = lookup(data, t.ci) if t.ci else None
+                target = lookup(data, t.versus) if t.versus else t.target
+            except KeyError as e:
+                raise KeyError(f"{results / t.file}: no key {e.args[0]!r} (target {t.what!r})") from None
+            shown = fmt(value) + (f" ({fmt(ci[0])} to {fmt(ci[1])})" if ci else "")
+            goal = f"{t.op} {fmt(target)}" if t.op and target is not None else "reported"
+            if t.versus:
+                goal += f" (`{t.versus}`)"
+            note = f"; {t.note}" if t.note else ""
+            date = str(read(t.dated_by or t.file).get("date", "?"))[:10]
+            lines.append(f"| {t.what}{note} | {shown} | {goal} | {status(value, t.op, target, ci)} | "
+                         f"`{t.file}` `{t.key}` ({date}) |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--results", default=str(RESULTS))
+    ap.add_argument("--out", default=str(OUT))
+    ap.add_argument("--check", action="store_true", help="compare with --out instead of writing it")
+    args = ap.parse_args(argv)
+    page = render(Path(args.results))
+    out = Path(args.out)
+    if args.check:
+        if not out.exists() or out.read_text() != page:
+            print(f"{out}: out of date with {args.results}; run `python -m bench.targets`", file=sys.stderr)
+            return 1
+        return 0
+    out.write_text(page)
+    print(page)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
