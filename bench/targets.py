@@ -196,16 +196,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", default=str(OUT))
     ap.add_argument("--check", action="store_true", help="compare with --out instead of writing it")
     args = ap.parse_args(argv)
-    page = render(Path(args.results))
-    out = Path(args.out)
-    if args.check:
-        if not out.exists() or out.read_text() != page:
-            print(f"{out}: out of date with {args.results}; run `python -m bench.targets`", file=sys.stderr)
-            return 1
-        return 0
-    out.write_text(page)
-    print(page)
-    return 0
+    from prism_tda.cli.serve import write_generated
+
+    return write_generated(render(Path(args.results)), Path(args.out), args.check, "python -m bench.targets")
 
 
 if __name__ == "__main__":

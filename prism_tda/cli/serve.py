@@ -203,7 +203,7 @@ def serve(given: dict[str, Any]) -> int:
     return 0
 
 
-def _write_generated(text: str, path: Path, check: bool, command: str) -> int:
+def write_generated(text: str, path: Path, check: bool, command: str) -> int:
     """Write a file generated from the code, or with ``check`` only say whether it is up to date."""
     if check:
         if not path.is_file() or path.read_text() != text:
@@ -218,13 +218,13 @@ def _write_generated(text: str, path: Path, check: bool, command: str) -> int:
 def cmd_openapi(args: argparse.Namespace) -> int:
     from prism_tda.service.openapi import DEFAULT_PATH, render
 
-    return _write_generated(render(), Path(args.out) if args.out else DEFAULT_PATH, args.check, "prism openapi")
+    return write_generated(render(), Path(args.out) if args.out else DEFAULT_PATH, args.check, "prism openapi")
 
 
 def cmd_settings_doc(args: argparse.Namespace) -> int:
     from prism_tda.service.settings_doc import DEFAULT_PATH, render
 
-    return _write_generated(render(), Path(args.out) if args.out else DEFAULT_PATH, args.check,
+    return write_generated(render(), Path(args.out) if args.out else DEFAULT_PATH, args.check,
                             "prism settings-doc")
 
 
