@@ -108,16 +108,25 @@ def test_demo_uses_the_bundled_model_without_training(tiny_ckpt, tiny_corpus, tm
 
     monkeypatch.setattr(serve_mod, "demo_model_path", lambda: str(tiny_ckpt))
     monkeypatch.setattr(serve_mod, "demo_corpus_path", lambda: str(tiny_corpus))
+    import prism_tda.engine.influence as influence_mod
+    from prism_tda.engine import layout
+
     monkeypatch.setattr(Trainer, "fit", lambda self, *a, **k: pytest.fail("the demo trained"))
+    steps: list[str] = []  # the first answer comes before the influence curvature is fitted
+    answer, fit = serve_mod.print_attribution, influence_mod.fit_index
+    monkeypatch.setattr(serve_mod, "print_attribution", lambda *a, **k: steps.append("answer") or answer(*a, **k))
+    monkeypatch.setattr(influence_mod, "fit_index", lambda *a, **k: steps.append("fit") or fit(*a, **k))
     out = tmp_path / "demo"
     args = ["demo", "--out", str(out), "--no-progress", "--no-serve", "--set", "index.code_bits=8",
             "--set", "index.posting_cells=16"]
-    for _ in range(2):
+    for expected in (["answer", "fit"], ["answer"]):
+        steps.clear()
         assert main(args) == 0
         text = capsys.readouterr().out
         summary = json.loads(text[: text.index("\n}\n") + 2])
         assert summary["bundled_model"] is True and summary["index_summary"]["documents"] == 600
         assert "Which training documents drove" in text
+        assert steps == expected and (out / "index" / layout.EKFAC).exists()
     got = ckpt.resolve(out)
     assert got.parent == out and ckpt.read_config(got)["files"] == ckpt.read_config(tiny_ckpt)["files"]
     assert main(["demo", "--out", str(tmp_path / "d2"), "--no-serve", "--set", "model.d_model=64"]) == 2

@@ -129,15 +129,9 @@ def cmd_demo(args: argparse.Namespace) -> int:
     index_dir = out / "index"
     _drop_outdated_index(index_dir, index_cfg)
     index = build_index(ckpt_path, [demo_corpus_path()], index_dir, index_cfg, progress=not args.no_progress)
-    from prism_tda.engine.influence import fit_index, fitted_for
-
-    t_inf = time.perf_counter()
-    if not fitted_for(index_dir):  # what the query option `influence` needs (a sample of the windows)
-        fit_index(index_dir, max_sequences=DEMO_INFLUENCE_SEQUENCES, progress=not args.no_progress)
     summary = {
         "checkpoint": str(ckpt_path), "index": str(out / "index"), "bundled_model": bundled,
-        "train_seconds": round(t_train, 1), "influence_seconds": round(time.perf_counter() - t_inf, 1),
-        "total_seconds": round(time.perf_counter() - t0, 1),
+        "train_seconds": round(t_train, 1), "total_seconds": round(time.perf_counter() - t0, 1),
         "model": {k: training.get("eval", {}).get(k) for k in ("val_loss", "R1bar", "R2", "effective_prototypes",
                                                               "dead_prototypes")},
         "index_summary": {k: index[k] for k in ("documents", "sequences", "tokens", "shards", "bad_records",
@@ -148,8 +142,19 @@ def cmd_demo(args: argparse.Namespace) -> int:
         print(f"\n>>> {prompt}{text}")
     print("\nWhich training documents drove ' is a machine' after 'A computer'?")
     rc = print_attribution(out / "index", QuerySpec("A computer", " is a machine"), QueryOptions(n_documents=5))
-    if rc or args.no_serve:
+    if rc:
         return rc
+    # what the query option `influence` needs (a sample of the windows), after the first answer: that
+    # answer does not need it, and the fit takes about a third as long as the indexing
+    from prism_tda.engine.influence import fit_index, fitted_for
+
+    if not fitted_for(index_dir):
+        t_inf = time.perf_counter()
+        fit_index(index_dir, max_sequences=DEMO_INFLUENCE_SEQUENCES, progress=not args.no_progress)
+        log.info("fitted the influence curvature (the query option `influence`)",
+                 extra={"index": str(index_dir), "seconds": round(time.perf_counter() - t_inf, 1)})
+    if args.no_serve:
+        return 0
     print(f"\nServing the demo index on http://127.0.0.1:{args.port} (docs at /docs; Ctrl-C stops)", flush=True)
     return serve({"indexes": {"demo": str((out / "index").absolute())}, "host": "127.0.0.1", "port": args.port,
                   "log_level": args.log_level, "log_format": args.log_format})
