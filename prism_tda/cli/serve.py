@@ -230,7 +230,7 @@ def cmd_settings_doc(args: argparse.Namespace) -> int:
     from prism_tda.service.settings_doc import DEFAULT_PATH, render
 
     return write_generated(render(), Path(args.out) if args.out else DEFAULT_PATH, args.check,
-                            "prism settings-doc")
+                           "prism settings-doc")
 
 
 
