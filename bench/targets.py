@@ -19,6 +19,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from prism_tda.corpus import _MISSING, field_value
+
 RESULTS = Path("bench/results")
 OUT = Path("docs/targets.md")
 
@@ -42,13 +44,11 @@ class Target:
 
 
 def lookup(data: dict, path: str):
-    """``data``'s value at a dotted ``path``; KeyError naming the missing part."""
-    cur = data
-    for i, part in enumerate(path.split(".")):
-        if not isinstance(cur, dict) or part not in cur:
-            raise KeyError(".".join(path.split(".")[: i + 1]))
-        cur = cur[part]
-    return cur
+    """``data``'s value at a dotted ``path`` (the corpus reader's field paths); KeyError naming it."""
+    value = field_value(data, path)
+    if value is _MISSING:
+        raise KeyError(path)
+    return value
 
 
 def status(value: float, op: str | None, target: float | None, ci: list[float] | None = None) -> str:
