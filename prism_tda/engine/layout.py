@@ -20,7 +20,11 @@ are the shard's offset (the counts of the shards before it, in unit order) plus 
         seq_tok0.npy seq_doc.npy seq_start.npy seq_last_target.npy     per sequence
         tokens.npy protos.npy acts.npy codes.npy self.npy               per token (memory-mapped)
         post_offsets.npy post_tokens.npy                                posting lists
-        faiss.index  shard.json (written last)
+        faiss.ivf               the shard's FAISS part: under an IVF template, its inverted lists
+                                only (FAISS's own serialisation, memory-mapped when read; the
+                                quantisers are the template's, stored once); under a Flat
+                                template, and in shards written before, a whole index (faiss.index)
+        shard.json (written last)
         stats.safetensors       the shard's additive statistics, until the reduce folds them into the
                                 index's stats.safetensors (which records the units it holds)
 
@@ -65,6 +69,7 @@ EKFAC = "ekfac.safetensors"  # the full-model influence curvature (engine/influe
 PROTOTYPES, VOCAB, STATS, ESTIMATE = "prototypes.parquet", "vocab.parquet", "stats.safetensors", "estimate.json"
 # a shard's files: its tables, its FAISS part and one .npy per array (array_file)
 DOCUMENTS, SEQUENCES, SHARD_FAISS = "documents.parquet", "sequences.parquet", "faiss.index"
+SHARD_IVF = "faiss.ivf"  # an IVF template's shard part: its inverted lists alone
 # the index-wide files (besides the shards and POST_SIZES), the manifest first
 INDEX_FILES = (MANIFEST, CALIBRATION, FAISS_TEMPLATE, PROTOTYPES, VOCAB, STATS)
 ARRAYS = ("tokens", "protos", "acts", "codes", "self", "post_offsets", "post_tokens", "proto_top", "seq_tok0",
@@ -251,6 +256,62 @@ def split_faiss_ids(ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """(work unit, local sequence id) of FAISS ids."""
     ids = np.asarray(ids, dtype=np.int64)
     return ids >> FAISS_UNIT_SHIFT, ids & ((1 << FAISS_UNIT_SHIFT) - 1)
+
+
+def write_shard_faiss(index: Any, out: Path) -> int:
+    """Write a shard's FAISS part into the shard directory ``out``; its bytes. An IVF index (the
+    template with the shard's entries added) is written as its inverted lists alone (``SHARD_IVF``):
+    the quantisers are the template's, which the index stores once, and repeating them per shard
+    cost ~1.5 MB a shard. Any other index is written whole (``SHARD_FAISS``). Atomic and fsynced."""
+    import faiss
+
+    try:
+        ivf: Any = faiss.extract_index_ivf(index)
+    except RuntimeError:
+        ivf = None
+    w = faiss.VectorIOWriter()
+    if ivf is not None:
+        faiss.write_InvertedLists(ivf.invlists, w)
+    else:
+        faiss.write_index(index, w)
+    data = faiss.vector_to_array(w.data).tobytes()
+    name, other = (SHARD_IVF, SHARD_FAISS) if ivf is not None else (SHARD_FAISS, SHARD_IVF)
+    atomic_write_bytes(out / name, data)
+    (out / other).unlink(missing_ok=True)  # a shard holds one form (a rewrite may change it)
+    return len(data)
+
+
+def read_shard_lists(path: Path) -> Any:
+    """A shard's inverted lists from its ``SHARD_IVF`` file, memory-mapped read-only (FAISS maps an
+    array-lists file as on-disk lists), owned by the returned object: keep it while an index
+    searches them."""
+    import faiss
+
+    try:
+        reader = faiss.FileIOReader(str(path))
+        lists: Any = faiss.read_InvertedLists(reader, faiss.IO_FLAG_MMAP | faiss.IO_FLAG_READ_ONLY)
+    except RuntimeError as e:
+        raise PrismError(f"{path}: not a FAISS inverted-lists file ({e}); rebuild the shard: delete "
+                         f"{path.parent} and run `prism index` again") from None
+    lists.thisown = True  # FAISS hands it over unowned: freed (its map let go) with the last reference
+    return lists
+
+
+def shard_index(template_path: Path, shard: Path) -> Any:
+    """A shard's FAISS part as a whole index: its ``SHARD_FAISS`` file, or the template at
+    ``template_path`` over the shard's ``SHARD_IVF`` lists (read in memory: for rewriting a shard's
+    part, not for serving it)."""
+    import faiss
+
+    if (shard / SHARD_IVF).is_file():
+        index = faiss.read_index(str(template_path))
+        ivf = faiss.extract_index_ivf(index)
+        lists: Any = faiss.read_InvertedLists(faiss.FileIOReader(str(shard / SHARD_IVF)))
+        lists.thisown = False
+        ivf.replace_invlists(lists, True)
+        index.ntotal = ivf.ntotal = sum(lists.list_size(i) for i in range(lists.nlist))
+        return index
+    return faiss.read_index(str(shard / SHARD_FAISS))
 
 
 # ------------------------------------------------------------------------------ tables

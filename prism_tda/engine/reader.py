@@ -66,6 +66,8 @@ class Shard:
     seq_start: np.ndarray
     seq_last_target: np.ndarray
     code_dir: np.ndarray | None  # packed bits (layout.OPTIONAL_ARRAYS); None in older indexes
+    faiss: Any  # a whole FAISS index (Flat template; older shards), or None
+    faiss_lists: Any  # the shard's inverted lists under the index's IVF template, or None
 
     def __init__(self, path: Path, info: ShardInfo) -> None:
         self.path, self.info = path, info
@@ -77,7 +79,12 @@ class Shard:
         for name in layout.OPTIONAL_ARRAYS:
             f = layout.array_file(path, name)
             setattr(self, name, _mapped(f) if f.is_file() else None)
-        self.faiss = open_faiss(path / layout.SHARD_FAISS)
+        # the FAISS part: inverted lists under the index's IVF template, or a whole index (Flat; older shards)
+        self.faiss, self.faiss_lists = None, None
+        if (path / layout.SHARD_IVF).is_file():
+            self.faiss_lists = layout.read_shard_lists(path / layout.SHARD_IVF)
+        else:
+            self.faiss = open_faiss(path / layout.SHARD_FAISS)
         self._docs = pq.ParquetFile(path / layout.DOCUMENTS)
         # one Parquet reader must not be read from two threads at once (pyarrow crashes the process)
         self._docs_lock = threading.Lock()
@@ -90,8 +97,15 @@ class Shard:
         for name in layout.ARRAYS:
             self.__dict__.pop(name, None)
         self.code_dir = None
-        self.faiss = None
+        self.faiss = self.faiss_lists = None
         self._docs = None
+
+    @property
+    def faiss_entries(self) -> int:
+        """Entries of the shard's FAISS part."""
+        if self.faiss_lists is not None:
+            return sum(self.faiss_lists.list_size(i) for i in range(self.faiss_lists.nlist))
+        return int(self.faiss.ntotal) if self.faiss is not None else 0
 
     def targets(self, local: np.ndarray) -> np.ndarray:
         """The token each of the ``local`` rows predicts: the next input token of its window, or the
@@ -169,7 +183,7 @@ class IndexReader(IndexWide):
         """Let go of every open shard's files (the reader is unusable afterwards)."""
         self._doc_group.cache_clear()
         self._id_group.cache_clear()
-        self.stacked = None  # it reads the shards' FAISS lists in place: it goes first
+        self.stacked = self._faiss_keep = None  # it reads the shards' FAISS lists in place: it goes first
         for sh in self.shards:
             sh.close()
         self.shards, self._at = [], {}
@@ -408,19 +422,34 @@ class IndexReader(IndexWide):
         if not self.shards:
             return None
         try:
-            parts = [faiss.extract_index_ivf(sh.faiss) for sh in self.shards]
+            parts = [sh.faiss_lists if sh.faiss_lists is not None else faiss.extract_index_ivf(sh.faiss).invlists
+                     for sh in self.shards]
         except RuntimeError:
             return None
         merged = faiss.read_index(str(self.dir / layout.FAISS_TEMPLATE))
         ivf = faiss.extract_index_ivf(merged)
         lists = faiss.InvertedListsPtrVector()  # type: ignore[attr-defined]
         for part in parts:
-            lists.push_back(part.invlists)
+            lists.push_back(part)
         stacked = faiss.HStackInvertedLists(lists.size(), lists.data())
         ivf.replace_invlists(stacked, False)
-        ivf.ntotal = merged.ntotal = sum(part.ntotal for part in parts)
+        ivf.ntotal = merged.ntotal = sum(sh.faiss_entries for sh in self.shards)
         self._faiss_keep = (parts, lists, stacked)  # the stacked lists point into these
         return merged
+
+    def _shard_faiss(self, sh: Shard) -> Any:
+        """A shard's FAISS part as an index of its own: its whole index, or (lists under the IVF
+        template) a copy of the template over its lists, built on first use (searching shard by shard
+        is the path of indexes whose parts cannot be stacked; an IVF index's are)."""
+        import faiss
+
+        if sh.faiss is None:
+            index = faiss.read_index(str(self.dir / layout.FAISS_TEMPLATE))
+            ivf = faiss.extract_index_ivf(index)
+            ivf.replace_invlists(sh.faiss_lists, False)
+            index.ntotal = ivf.ntotal = sh.faiss_entries
+            sh.faiss = index  # let go with the shard, before its lists
+        return sh.faiss
 
     def search_embedding(self, e: np.ndarray, n: int, nprobe: int | None = None) -> tuple[np.ndarray, np.ndarray]:
         """(similarities, global sequence ids) of the ``n`` sequences nearest to the query embedding
@@ -438,10 +467,11 @@ class IndexReader(IndexWide):
         else:
             scores, found = [], []
             for sh in self.shards:
-                if sh.faiss.ntotal == 0:
+                index = self._shard_faiss(sh)
+                if index.ntotal == 0:
                     continue
-                d, i = sh.faiss.search(e, min(n, sh.faiss.ntotal),
-                                       params=ivf_params if isinstance(sh.faiss, faiss.IndexIVF) else None)
+                d, i = index.search(e, min(n, index.ntotal),
+                                    params=ivf_params if isinstance(index, faiss.IndexIVF) else None)
                 ok = i[0] >= 0
                 scores.append(d[0][ok])
                 found.append(i[0][ok])

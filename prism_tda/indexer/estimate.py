@@ -83,9 +83,10 @@ def estimate(ix, units: list[WorkUnit] | None = None) -> dict[str, Any]:
         disk[name] = b * scale
     n_shards = max(1, len(units))
     K, d = mc.n_prototypes, mc.d_model
-    # codes and ids per sequence; each shard's part repeats the trained template (quantiser, codebooks)
+    # codes and ids per sequence, and the trained template (quantiser, codebooks) once: under an IVF
+    # template a shard stores its inverted lists only
     template = 4 * D * int(spec.split(",")[0][3:]) + 4 * 256 * D if spec.startswith("IVF") else 0
-    disk["faiss"] = n_seq * (pq_bytes + 8) + n_shards * template
+    disk["faiss"] = n_seq * (pq_bytes + 8) + template
     disk["post_offsets"] = n_shards * 4 * (K * n_cells + 1)
     disk["stats"] = 8 * (d * d + K * d + 4 * K + 3)  # the index's, folded from the shards'
     disk["calibration+tables"] = 4 * (d * d + K * d + 2 * cfg.code_subquantizers * (1 << cfg.code_bits) * d

@@ -28,21 +28,22 @@ def ivf_entries(ivf):
                    faiss.rev_swig_ptr(il.get_codes(lst), n * il.code_size).copy())
 
 
-def reunit_faiss(path: Path, unit: int) -> None:
-    """Rewrite a copied shard's FAISS ids to name its new work unit."""
+def reunit_faiss(template: Path, shard: Path, unit: int) -> None:
+    """Rewrite a copied shard's FAISS ids to name its new work unit (``template``: its index's FAISS
+    template)."""
     import faiss
 
-    ix = faiss.read_index(str(path))
+    ix = layout.shard_index(template, shard)
     try:
         ivf = faiss.extract_index_ivf(ix)
     except RuntimeError:
-        ids = faiss.vector_to_array(ix.id_map)  # type: ignore[attr-defined]  # an IndexIDMap
-        faiss.copy_array_to_vector(layout.faiss_ids(unit, layout.split_faiss_ids(ids)[1]), ix.id_map)  # type: ignore[attr-defined]
+        ids = faiss.vector_to_array(ix.id_map)  # an IndexIDMap
+        faiss.copy_array_to_vector(layout.faiss_ids(unit, layout.split_faiss_ids(ids)[1]), ix.id_map)
     else:
         for lst, il, ids, codes in ivf_entries(ivf):
             new = layout.faiss_ids(unit, layout.split_faiss_ids(ids)[1])
             il.update_entries(lst, 0, len(ids), faiss.swig_ptr(new), faiss.swig_ptr(codes))
-    faiss.write_index(ix, str(path))
+    layout.write_shard_faiss(ix, shard)
 
 
 def merge_shards(real: Path, out_dir: Path, unit: int) -> layout.ShardInfo:
@@ -115,10 +116,10 @@ def merge_shards(real: Path, out_dir: Path, unit: int) -> layout.ShardInfo:
     except RuntimeError:
         ivf = None
     for d, so in zip(parts, seq_off, strict=False):
-        whole = faiss.read_index(str(d / layout.SHARD_FAISS))  # kept: the IVF part below points into it
+        whole = layout.shard_index(real / layout.FAISS_TEMPLATE, d)  # kept: the IVF part below points into it
         if ivf is None:
-            ids = faiss.vector_to_array(whole.id_map)  # type: ignore[attr-defined]  # an IndexIDMap
-            vecs = faiss.downcast_index(whole.index).reconstruct_n(0, whole.ntotal)  # type: ignore[attr-defined]
+            ids = faiss.vector_to_array(whole.id_map)  # an IndexIDMap
+            vecs = faiss.downcast_index(whole.index).reconstruct_n(0, whole.ntotal)
             merged.add_with_ids(vecs, layout.faiss_ids(unit, layout.split_faiss_ids(ids)[1] + so))
             continue
         il = faiss.downcast_InvertedLists(ivf.invlists)  # type: ignore[arg-type]
@@ -128,8 +129,7 @@ def merge_shards(real: Path, out_dir: Path, unit: int) -> layout.ShardInfo:
             il.add_entries(lst, len(ids), faiss.swig_ptr(new), faiss.swig_ptr(codes))
         ivf.ntotal += part.ntotal
         merged.ntotal = ivf.ntotal
-    faiss.write_index(merged, str(out_dir / layout.SHARD_FAISS))
-    sizes["faiss"] = (out_dir / layout.SHARD_FAISS).stat().st_size
+    sizes["faiss"] = layout.write_shard_faiss(merged, out_dir)
     if (parts[0] / layout.STATS).is_file():  # until the reduce folds them into the index's
         shutil.copy2(parts[0] / layout.STATS, out_dir / layout.STATS)
         sizes["stats"] = (out_dir / layout.STATS).stat().st_size
@@ -142,13 +142,14 @@ def merge_shards(real: Path, out_dir: Path, unit: int) -> layout.ShardInfo:
 
 
 
-def copy_shard(src: Path, dst: Path, unit: int) -> layout.ShardInfo:
-    """A copy of the shard directory ``src`` as work unit ``unit`` at ``dst`` (its FAISS ids renamed)."""
+def copy_shard(src: Path, dst: Path, unit: int, template: Path) -> layout.ShardInfo:
+    """A copy of the shard directory ``src`` as work unit ``unit`` at ``dst`` (its FAISS ids renamed;
+    ``template``: the index's FAISS template)."""
     info = layout.read_shard_info(src)
     if info is None:
         raise FileNotFoundError(f"{src}: not a complete shard (no shard.json)")
     shutil.copytree(src, dst)
-    reunit_faiss(dst / layout.SHARD_FAISS, unit)
+    reunit_faiss(template, dst, unit)
     out = layout.ShardInfo(**{**info.__dict__, "unit": unit})
     layout.write_shard_info(dst, out)
     return out
@@ -174,7 +175,7 @@ def merge_index(real: Path, out: Path, copies: int = 1,
     t0 = time.perf_counter()
     shards = [merge_shards(real, layout.shard_dir(out, 0), 0)]
     for c in range(1, copies):
-        shards.append(copy_shard(layout.shard_dir(out, 0), layout.shard_dir(out, c), c))
+        shards.append(copy_shard(layout.shard_dir(out, 0), layout.shard_dir(out, c), c, out / layout.FAISS_TEMPLATE))
         if progress is not None:
             progress(c + 1, time.perf_counter() - t0)
     m.shards = shards

@@ -28,7 +28,6 @@ from prism_tda.engine.layout import (
     DOC_ROW_GROUP,
     DOCUMENTS,
     SEQUENCES,
-    SHARD_FAISS,
     STATS,
     IndexConfig,
     ShardInfo,
@@ -40,6 +39,7 @@ from prism_tda.engine.layout import (
     schemas,
     shard_dir,
     write_array,
+    write_shard_faiss,
     write_shard_info,
     write_table,
 )
@@ -255,10 +255,7 @@ class ShardBuilder:
                          "n_tokens": np.diff(tok0).astype(np.int16), "tok0": tok0[:-1]}, schema=self.schemas["sequences"])
         sizes["sequences"] = write_table(out / SEQUENCES, seqs)
         sizes["documents"] = write_table(out / DOCUMENTS, docs, row_group_size=DOC_ROW_GROUP)
-        tmp = out / f".faiss.index.tmp-{os.getpid()}"
-        faiss.write_index(index, str(tmp))
-        os.replace(tmp, out / SHARD_FAISS)
-        sizes["faiss"] = (out / SHARD_FAISS).stat().st_size
+        sizes["faiss"] = write_shard_faiss(index, out)
         atomic_write_bytes(out / STATS, st_save({k: v.contiguous() for k, v in stats.tensors().items()}))
         sizes["stats"] = (out / STATS).stat().st_size
         info = ShardInfo(unit=unit.unit, n_docs=docs.num_rows, n_seqs=n_seq, n_tokens=N, self_scale=self_scale,

@@ -3,11 +3,16 @@ path against the exact path, options, and query errors."""
 
 from __future__ import annotations
 
+import gc
+import shutil
+from pathlib import Path
+
+import faiss
 import numpy as np
 import pytest
 import torch
 
-from prism_tda.engine import Attributor, FirstStages, QueryOptions, QuerySpec
+from prism_tda.engine import Attributor, FirstStages, QueryOptions, QuerySpec, layout
 from prism_tda.engine.candidates import posting_plan, read_postings
 from prism_tda.engine.scoring import approx_scores, exact_scores, score_tokens
 from prism_tda.engine.tokens import run_batch
@@ -290,6 +295,38 @@ def test_ivf_parts_are_searched_as_one_index(att, tiny_ckpt, tiny_corpus, tmp_pa
     assert search(reader, 20, nprobe=4).tolist() == stacked.tolist()
     one = search(reader, 20)  # the index's nprobe: one list of four
     assert 0 < len(one) <= 20
+    # each shard stores its inverted lists alone: the quantiser is the template's, stored once
+    template = (out / layout.FAISS_TEMPLATE).stat().st_size
+    for sh in ivf.manifest.shards:
+        d = sh.dir(out)
+        assert (d / layout.SHARD_IVF).is_file() and not (d / layout.SHARD_FAISS).exists()
+        assert sh.bytes["faiss"] == (d / layout.SHARD_IVF).stat().st_size
+    # a shard written whole (the form of older indexes) reads and answers the same
+    older = tmp_path / "older"
+    shutil.copytree(out, older)
+    for sh in ivf.manifest.shards:
+        d = sh.dir(older)
+        whole = layout.shard_index(older / layout.FAISS_TEMPLATE, d)
+        assert whole.ntotal == sh.n_seqs
+        faiss.write_index(whole, str(d / layout.SHARD_FAISS))
+        # the whole form repeats the template (quantiser and the rest) beside the same lists
+        assert (d / layout.SHARD_FAISS).stat().st_size >= template + (d / layout.SHARD_IVF).stat().st_size - 64
+        (d / layout.SHARD_IVF).unlink()
+    old_reader = Attributor.open(older).local_reader("test")
+    assert old_reader.stacked is not None and old_reader.stacked.ntotal == reader.n_seqs
+    assert search(old_reader, 20, nprobe=4).tolist() == stacked.tolist()
+    # the lists are memory-mapped, and closing the reader lets go of the maps
+    def mapped():
+        return {line.split()[-1] for line in Path("/proc/self/maps").read_text().splitlines()
+                if line.endswith(layout.SHARD_IVF)}
+
+    files = {str(sh.dir(out) / layout.SHARD_IVF) for sh in ivf.manifest.shards}
+    assert files <= mapped()
+    shards = list(reader.shards)
+    assert all(sh.faiss_lists is not None for sh in shards)
+    reader.close()
+    gc.collect()
+    assert all(sh.faiss_lists is None for sh in shards) and not files & mapped()
 
 
 def test_documents_know_whether_the_checkpoint_trained_on_them(att, tiny_ckpt):

@@ -11,6 +11,8 @@ from prism_tda.engine.reader import IndexReader
 from prism_tda.engine.reads import document_table
 from prism_tda.engine.scoring import approx_scores
 from prism_tda.indexer.merge import merge_index
+from prism_tda.indexer.run import build_index
+from tests.conftest import index_cfg
 
 SPECS = [QuerySpec("A computer", " is a"), QuerySpec("Love is", " a")]
 
@@ -66,3 +68,32 @@ def test_sequences_and_documents_as_the_product_reads_them(index):
         assert toks[1:] == tgts[:-1]  # every target but the last is the next input token
         n_tok += len(toks)
     assert n_tok == r.n_tokens
+
+
+def test_merged_and_copied_shards_under_an_ivf_template(tiny_ckpt, tiny_corpus, tmp_path):
+    """Under an IVF template a shard stores its inverted lists alone, and so do the merged shard and
+    its copies: each copy's entries carry its own work unit, and every list probed finds both."""
+    src = tmp_path / "ivf"
+    build_index(tiny_ckpt, [tiny_corpus], src, index_cfg(faiss_spec="IVF4,Flat"), progress=False)
+    two = merge_index(src, tmp_path / "two", copies=2)
+    for sh in layout.read_manifest(two).shards:
+        assert (sh.dir(two) / layout.SHARD_IVF).is_file() and not (sh.dir(two) / layout.SHARD_FAISS).exists()
+        whole = layout.shard_index(two / layout.FAISS_TEMPLATE, sh.dir(two))
+        units = {int(u) for u in layout.split_faiss_ids(_ids(whole))[0]}
+        assert units == {sh.unit}
+    one, att = Attributor.open(src), Attributor.open(two)
+    reader = att.local_reader("test")
+    e = reader.query_embedding(att.encode(SPECS[0]).G * att.preconditioner().inv.sqrt())
+    _, seqs = reader.search_embedding(e, 40, nprobe=4)
+    n = one.reader.n_seqs
+    assert reader.stacked.ntotal == 2 * n
+    assert sorted(s - n for s in seqs.tolist() if s >= n) == sorted(s for s in seqs.tolist() if s < n) != []
+
+
+def _ids(index) -> np.ndarray:
+    """Every id in an IVF index's lists."""
+    import faiss
+
+    ivf = faiss.extract_index_ivf(index)
+    il = ivf.invlists
+    return np.concatenate([faiss.rev_swig_ptr(il.get_ids(i), il.list_size(i)).copy() for i in range(ivf.nlist)])
