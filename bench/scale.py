@@ -467,9 +467,14 @@ def main(argv: list[str] | None = None) -> dict:
     empty = sizes[0]["serve"]["rss_anon_bytes"]
     for s in sizes[1:]:
         s["serve_anon_bytes_per_token"] = round((s["serve"]["rss_anon_bytes"] - empty) / s["tokens"], 3)
+    kept: dict = {}
     if args.keep_overlap:  # the exact pass is long: the last run's measurement, said to be so
-        overlap = json.loads(Path(args.out).read_text())["overlap"]
+        earlier = json.loads(Path(args.out).read_text())
+        overlap = earlier["overlap"]
         overlap["kept_from_earlier_run"] = True
+        # and the blocks of fresh queries (--overlap-skip), each measured once: a re-run keeps them
+        kept = {k: dict(v, kept_from_earlier_run=True) for k, v in earlier.items()
+                if k.startswith("overlap_") and isinstance(v, dict)}
     else:
         overlap = measure_overlap()
     real_sizes = [s for s in sizes if not s["synthetic"] and s["tokens"]]
@@ -523,6 +528,7 @@ def main(argv: list[str] | None = None) -> dict:
                     "largest_served_tokens": 256e6},
         "config": {k: v for k, v in vars(args).items()},
     }
+    res.update(kept)
     res["sizing_124m_k4096_10b"] = sizing_10b(res)
     res.update(rerank_as_real(res))
     if args.plot:

@@ -184,7 +184,10 @@ def render(results: Path = RESULTS, targets: list[Target] = TARGETS) -> str:
             if t.versus:
                 goal += f" (`{t.versus}`)"
             note = f"; {t.note}" if t.note else ""
-            date = str(read(t.dated_by or t.file).get("date", "?"))[:10]
+            # a block measured apart from the rest of its file (one carried over by a later run) has its own date
+            block = data.get(t.key.split(".")[0]) if "." in t.key else None
+            dated = block if isinstance(block, dict) and "date" in block and not t.dated_by else read(t.dated_by or t.file)
+            date = str(dated.get("date", "?"))[:10]
             lines.append(f"| {t.what}{note} | {shown} | {goal} | {status(value, t.op, target, ci)} | "
                          f"`{t.file}` `{t.key}` ({date}) |")
     return "\n".join(lines) + "\n"

@@ -170,6 +170,7 @@ class IndexReader(IndexWide):
             raise PrismError(f"{self.dir}: shard positions {self.held} out of range (the index has {len(infos)})")
         self.shards = [Shard(infos[s].dir(self.dir), infos[s]) for s in self.held]
         self._at = {s: sh for s, sh in zip(self.held, self.shards, strict=True)}
+        self._faiss_keep: Any = None  # what the stacked lists point into (set by _stack_ivf)
         self.stacked = self._stack_ivf()
         # decoded document row groups, the most recent few over every shard (bounded memory)
         self._doc_group = functools.lru_cache(maxsize=DOC_GROUPS_CACHED)(
