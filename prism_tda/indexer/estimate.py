@@ -83,10 +83,11 @@ def estimate(ix, units: list[WorkUnit] | None = None) -> dict[str, Any]:
         disk[name] = b * scale
     n_shards = max(1, len(units))
     K, d = mc.n_prototypes, mc.d_model
-    # codes and ids per sequence, and the trained template (quantiser, codebooks) once: under an IVF
-    # template a shard stores its inverted lists only
-    template = 4 * D * int(spec.split(",")[0][3:]) + 4 * 256 * D if spec.startswith("IVF") else 0
-    disk["faiss"] = n_seq * (pq_bytes + 8) + template
+    # the shards' parts: codes and ids per sequence (under an IVF template a shard stores its inverted
+    # lists alone); the trained template (quantiser, codebooks) once, as an index-wide file
+    nlist = int(spec.split(",")[0][3:]) if spec.startswith("IVF") else 0
+    disk["faiss"] = n_seq * (pq_bytes + 8) + n_shards * 8 * nlist
+    disk["faiss_template.index"] = 4 * D * nlist + 4 * 256 * D if nlist else 0
     disk["post_offsets"] = n_shards * 4 * (K * n_cells + 1)
     disk["stats"] = 8 * (d * d + K * d + 4 * K + 3)  # the index's, folded from the shards'
     disk["calibration+tables"] = 4 * (d * d + K * d + 2 * cfg.code_subquantizers * (1 << cfg.code_bits) * d
@@ -101,7 +102,7 @@ def estimate(ix, units: list[WorkUnit] | None = None) -> dict[str, Any]:
     }
     serving = {
         "model_and_calibration": memory["model"] + 4 * (d * d + 2 * K * d),
-        "faiss_in_memory": disk["faiss"],
+        "faiss_in_memory": disk["faiss"] + disk["faiss_template.index"],
         "per_shard_headers": n_shards * 8 * (K * n_cells + 1),
         "python_and_libraries": 700 * 1024**2,
     }
