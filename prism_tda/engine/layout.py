@@ -283,8 +283,11 @@ def write_shard_faiss(index: Any, out: Path) -> int:
 
 def read_shard_lists(path: Path) -> Any:
     """A shard's inverted lists from its ``SHARD_IVF`` file, memory-mapped read-only (FAISS maps an
-    array-lists file as on-disk lists), owned by the returned object: keep it while an index
-    searches them."""
+    array-lists file as on-disk lists), inside an empty IVF index that owns them: its ``invlists``
+    are the lists, and they (and their map) go when it does. FAISS hands the lists over unowned, and
+    deleting them from Python corrupts SWIG's type table; an index deleting its own lists is FAISS's
+    path. The owner is of the lists' shape only (a scalar quantiser of ``code_size`` dimensions, never
+    trained or searched): a few hundred bytes, where a copy of the template was a megabyte or more."""
     import faiss
 
     try:
@@ -293,8 +296,12 @@ def read_shard_lists(path: Path) -> Any:
     except RuntimeError as e:
         raise PrismError(f"{path}: not a FAISS inverted-lists file ({e}); rebuild the shard: delete "
                          f"{path.parent} and run `prism index` again") from None
-    lists.thisown = True  # FAISS hands it over unowned: freed (its map let go) with the last reference
-    return lists
+    quantizer: Any = faiss.IndexFlatIP(lists.code_size)
+    owner = faiss.IndexIVFScalarQuantizer(quantizer, lists.code_size, lists.nlist, faiss.ScalarQuantizer.QT_8bit,
+                                          faiss.METRIC_INNER_PRODUCT)
+    quantizer.thisown, owner.own_fields = False, True
+    owner.replace_invlists(lists, True)
+    return owner
 
 
 def shard_index(template_path: Path, shard: Path) -> Any:

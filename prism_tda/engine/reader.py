@@ -68,6 +68,7 @@ class Shard:
     code_dir: np.ndarray | None  # packed bits (layout.OPTIONAL_ARRAYS); None in older indexes
     faiss: Any  # a whole FAISS index (Flat template; older shards), or None
     faiss_lists: Any  # the shard's inverted lists under the index's IVF template, or None
+    _faiss_owner: Any  # an empty IVF index that owns faiss_lists (layout.read_shard_lists), or None
 
     def __init__(self, path: Path, info: ShardInfo) -> None:
         self.path, self.info = path, info
@@ -80,9 +81,10 @@ class Shard:
             f = layout.array_file(path, name)
             setattr(self, name, _mapped(f) if f.is_file() else None)
         # the FAISS part: inverted lists under the index's IVF template, or a whole index (Flat; older shards)
-        self.faiss, self.faiss_lists = None, None
+        self.faiss, self.faiss_lists, self._faiss_owner = None, None, None
         if (path / layout.SHARD_IVF).is_file():
-            self.faiss_lists = layout.read_shard_lists(path / layout.SHARD_IVF)
+            self._faiss_owner = layout.read_shard_lists(path / layout.SHARD_IVF)
+            self.faiss_lists = self._faiss_owner.invlists
         else:
             self.faiss = open_faiss(path / layout.SHARD_FAISS)
         self._docs = pq.ParquetFile(path / layout.DOCUMENTS)
@@ -97,7 +99,7 @@ class Shard:
         for name in layout.ARRAYS:
             self.__dict__.pop(name, None)
         self.code_dir = None
-        self.faiss = self.faiss_lists = None
+        self.faiss = self.faiss_lists = self._faiss_owner = None  # a view over the lists first, their owner last
         self._docs = None
 
     @property

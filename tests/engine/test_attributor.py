@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import gc
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import faiss
@@ -330,6 +332,18 @@ def test_ivf_parts_are_searched_as_one_index(att, tiny_ckpt, tiny_corpus, tmp_pa
     reader.close()
     gc.collect()
     assert all(sh.faiss_lists is None for sh in shards) and not files & mapped()
+    # and the process is whole afterwards: lists freed from Python (not by an index that owns them)
+    # corrupted the heap, so that FAISS's next calls crashed; in a fresh process, as a server would
+    code = ("import gc, sys, faiss, numpy as np\n"
+            "from prism_tda.engine.reader import IndexReader\n"
+            "for _ in range(2):\n"
+            "    r = IndexReader(sys.argv[1]); r.close(); del r; gc.collect()\n"
+            "km = faiss.Kmeans(4, 8, niter=2, seed=0)\n"
+            "km.train(np.random.default_rng(0).standard_normal((400, 4)).astype(np.float32))\n"
+            "print('ok', km.centroids.shape)\n")
+    run = subprocess.run([sys.executable, "-c", code, str(out)], capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0 and run.stdout.strip() == "ok (8, 4)", run.stderr[-2000:]
+    assert "no destructor found" not in run.stderr
 
 
 def test_documents_know_whether_the_checkpoint_trained_on_them(att, tiny_ckpt):
