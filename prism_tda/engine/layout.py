@@ -304,6 +304,25 @@ def read_shard_lists(path: Path) -> Any:
     return owner
 
 
+def list_entries(lists: Any) -> int:
+    """Entries in FAISS inverted lists."""
+    return sum(lists.list_size(i) for i in range(lists.nlist))
+
+
+def over_template(template_path: Path, lists: Any, *, own: bool) -> Any:
+    """The index's FAISS template (at ``template_path``) over a shard's inverted ``lists``, as one index;
+    ``own``: the index frees the lists (else they must outlive it)."""
+    import faiss
+
+    index = faiss.read_index(str(template_path))
+    ivf = faiss.extract_index_ivf(index)
+    if own:
+        lists.thisown = False
+    ivf.replace_invlists(lists, own)
+    index.ntotal = ivf.ntotal = list_entries(lists)
+    return index
+
+
 def shard_index(template_path: Path, shard: Path) -> Any:
     """A shard's FAISS part as a whole index: its ``SHARD_FAISS`` file, or the template at
     ``template_path`` over the shard's ``SHARD_IVF`` lists (read in memory: for rewriting a shard's
@@ -311,13 +330,8 @@ def shard_index(template_path: Path, shard: Path) -> Any:
     import faiss
 
     if (shard / SHARD_IVF).is_file():
-        index = faiss.read_index(str(template_path))
-        ivf = faiss.extract_index_ivf(index)
-        lists: Any = faiss.read_InvertedLists(faiss.FileIOReader(str(shard / SHARD_IVF)))
-        lists.thisown = False
-        ivf.replace_invlists(lists, True)
-        index.ntotal = ivf.ntotal = sum(lists.list_size(i) for i in range(lists.nlist))
-        return index
+        return over_template(template_path, faiss.read_InvertedLists(faiss.FileIOReader(str(shard / SHARD_IVF))),
+                             own=True)
     return faiss.read_index(str(shard / SHARD_FAISS))
 
 

@@ -69,6 +69,7 @@ class Shard:
     faiss: Any  # a whole FAISS index (Flat template; older shards), or None
     faiss_lists: Any  # the shard's inverted lists under the index's IVF template, or None
     _faiss_owner: Any  # an empty IVF index that owns faiss_lists (layout.read_shard_lists), or None
+    faiss_entries: int  # entries of the FAISS part
 
     def __init__(self, path: Path, info: ShardInfo) -> None:
         self.path, self.info = path, info
@@ -85,8 +86,10 @@ class Shard:
         if (path / layout.SHARD_IVF).is_file():
             self._faiss_owner = layout.read_shard_lists(path / layout.SHARD_IVF)
             self.faiss_lists = self._faiss_owner.invlists
+            self.faiss_entries = layout.list_entries(self.faiss_lists)
         else:
             self.faiss = open_faiss(path / layout.SHARD_FAISS)
+            self.faiss_entries = int(self.faiss.ntotal)
         self._docs = pq.ParquetFile(path / layout.DOCUMENTS)
         # one Parquet reader must not be read from two threads at once (pyarrow crashes the process)
         self._docs_lock = threading.Lock()
@@ -101,13 +104,6 @@ class Shard:
         self.code_dir = None
         self.faiss = self.faiss_lists = self._faiss_owner = None  # a view over the lists first, their owner last
         self._docs = None
-
-    @property
-    def faiss_entries(self) -> int:
-        """Entries of the shard's FAISS part."""
-        if self.faiss_lists is not None:
-            return sum(self.faiss_lists.list_size(i) for i in range(self.faiss_lists.nlist))
-        return int(self.faiss.ntotal) if self.faiss is not None else 0
 
     def targets(self, local: np.ndarray) -> np.ndarray:
         """The token each of the ``local`` rows predicts: the next input token of its window, or the
@@ -444,14 +440,8 @@ class IndexReader(IndexWide):
         """A shard's FAISS part as an index of its own: its whole index, or (lists under the IVF
         template) a copy of the template over its lists, built on first use (searching shard by shard
         is the path of indexes whose parts cannot be stacked; an IVF index's are)."""
-        import faiss
-
         if sh.faiss is None:
-            index = faiss.read_index(str(self.dir / layout.FAISS_TEMPLATE))
-            ivf = faiss.extract_index_ivf(index)
-            ivf.replace_invlists(sh.faiss_lists, False)
-            index.ntotal = ivf.ntotal = sh.faiss_entries
-            sh.faiss = index  # let go with the shard, before its lists
+            sh.faiss = layout.over_template(self.dir / layout.FAISS_TEMPLATE, sh.faiss_lists, own=False)  # goes before its lists
         return sh.faiss
 
     def search_embedding(self, e: np.ndarray, n: int, nprobe: int | None = None) -> tuple[np.ndarray, np.ndarray]:
