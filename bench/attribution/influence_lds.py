@@ -15,6 +15,11 @@ as served, one query at a time:
   good as the library's?); ``ekfac_on_score_top``: kronfluence's values of the first ``k`` by score,
   none left out (what leaving out the opposed documents changes);
 
+- ``values``: the fast path's answer at ``--value-k`` documents (64, the protocol of ``lds_prism_fast``)
+  scored two ways: by each document's score (``prism_fast``) and by its value (``prism_fast_value``: its
+  tokens' raw prototype-space influences summed over every token of it, as each answer carries it);
+  ``--values-only`` measures only these;
+
 with paired bootstrap differences against ``ekfac_all``, the agreement of the engine's values with
 kronfluence's on the returned documents (Pearson and Spearman per query), the guard (the verbatim
 facts' planted copy first: the ranking is the score's, so it is ``prism_fast``'s), and the seconds
@@ -56,6 +61,10 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--dampings", default="1e-8,1e-6,1e-4,1e-2,1e-1",
                     help="influence damping(s), x each layer's mean eigenvalue (the served one, the engine's "
                          "default, is always measured and timed)")
+    ap.add_argument("--value-k", type=int, default=64,
+                    help="documents returned for the value rows (the fast path's LDS protocol: 64)")
+    ap.add_argument("--values-only", action="store_true",
+                    help="only the fast path without influence at --value-k: its scores and its documents' values")
     ap.add_argument("--boot", type=int, default=2000)
     ap.add_argument("--out", default="bench/results/attribution_influence_tune.json")
     ap.add_argument("--merge-into", help="also write the report's LDS keys into this results file "
@@ -86,11 +95,21 @@ def main(argv: list[str] | None = None) -> dict:
     S = np.zeros((len(queries), n_docs))
     V = {c: np.zeros((len(queries), n_docs)) for c in dampings}
     K = np.zeros((len(queries), n_docs), dtype=bool)  # the documents served with influence
-    t_plain, t_inf, agree, opposed = [], [], [], []
+    t_plain, t_inf, agree, opposed, t_val = [], [], [], [], []
     opt = dict(n_documents=args.k, exact_rerank=max(32, args.k), damping=args.served_damping)
+    # the value rows: the fast path's answer at --value-k, by score and by its documents' values
+    S_k, V_k = np.zeros((len(queries), n_docs)), np.zeros((len(queries), n_docs))
+    opt_k = dict(n_documents=args.value_k, exact_rerank=max(32, args.value_k), damping=args.served_damping)
     for n, i in enumerate(split.queries):
         q = queries[i]
         spec = QuerySpec(q["prompt"], q["completion"])
+        t0 = time.perf_counter()
+        at_k = att.attribute(spec, QueryOptions(**opt_k))
+        t_val.append(time.perf_counter() - t0)
+        for d in at_k.documents:
+            S_k[i, d.doc_id], V_k[i, d.doc_id] = d.score, d.value
+        if args.values_only:
+            continue
         t0 = time.perf_counter()
         plain = att.attribute(spec, QueryOptions(**opt))
         t_plain.append(time.perf_counter() - t0)
@@ -115,8 +134,15 @@ def main(argv: list[str] | None = None) -> dict:
         if n % 20 == 0:
             print(f"{n}/{len(split.queries)} queries, {np.median(t_inf):.3f} s with influence", flush=True)
     row = against(split, E, args.boot, args.seed + 11)
+    values = {"returned": args.value_k, "prism_fast": row(S_k), "prism_fast_value": row(V_k),
+              "seconds_per_query_median": round(float(np.median(t_val)), 4)}
+    if args.values_only:
+        res_v = {"work": str(work), "split": args.split, "documents": n_docs, "subsets": len(split.L),
+                 "queries": len(split.queries), "served_damping": args.served_damping, "ekfac_all": row(E),
+                 "values": values, **baseline_rows(work, row)}
+        return finish(res_v, "attribution/influence_lds.py", argv, args.out)
 
-    res: dict = {"work": str(work), "split": args.split, "documents": n_docs, "subsets": len(split.L),
+    res: dict = {"work": str(work), "split": args.split, "documents": n_docs, "values": values, "subsets": len(split.L),
                  "queries": len(split.queries), "returned": args.k, "served_damping": args.served_damping,
                  "influence_damping_served": DEFAULT_DAMPING, "influence_fit": fitted,
                  "ekfac_all": row(E), "prism_fast": row(S),
@@ -198,6 +224,13 @@ def merge(path: Path, res: dict, source: str, key: str = "fresh_split_influence"
              "lds_prism_fast": res["prism_fast"]["lds"][0], "lds_prism_fast_ci": res["prism_fast"]["lds"],
              "lds_diff_prism_fast_ekfac_ci": res["prism_fast"]["diff_vs_ekfac_all"],
              "lds_ekfac": res["ekfac_all"]["lds"][0], "lds_ekfac_ci": res["ekfac_all"]["lds"],
+             **({"lds_prism_fast_value": res["values"]["prism_fast_value"]["lds"][0],
+                 "lds_prism_fast_value_ci": res["values"]["prism_fast_value"]["lds"],
+                 "lds_diff_prism_fast_value_ekfac_ci": res["values"]["prism_fast_value"]["diff_vs_ekfac_all"],
+                 "lds_prism_fast_at_value_k": res["values"]["prism_fast"]["lds"][0],
+                 "lds_prism_fast_at_value_k_ci": res["values"]["prism_fast"]["lds"],
+                 "lds_diff_prism_fast_at_value_k_ekfac_ci": res["values"]["prism_fast"]["diff_vs_ekfac_all"],
+                 "value_returned": res["values"]["returned"]} if "values" in res else {}),
              **{f"lds_{m}": res[m]["lds"][0] for m in BASELINES if m in res},
              **{f"lds_{m}_ci": res[m]["lds"] for m in BASELINES if m in res},
              **{f"lds_diff_{m}_ekfac_ci": res[m]["diff_vs_ekfac_all"] for m in BASELINES if m in res},

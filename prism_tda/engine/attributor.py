@@ -269,7 +269,7 @@ class Attributor:
         return not_removed(self.reader, seqs)
 
     def _exhaustive(self, q: Query, opt: QueryOptions, pre: Preconditioner, stop: threading.Event | None = None,
-                    progress: bool = False) -> tuple[TokenScores, int, list, int, int]:
+                    progress: bool = False) -> tuple[TokenScores, int, list, int, int, np.ndarray]:
         self.check_exact()
         sign = -1.0 if opt.opponents else 1.0
         t0 = time.perf_counter()
@@ -289,7 +289,7 @@ class Attributor:
         where = {int(t): i for i, t in enumerate(exact.tok)}
         return (exact, self.reader.n_tokens,
                 [(where[int(best_tok[d])], float(sc)) for d, sc in zip(top, per_doc, strict=True)], ties,
-                self.reader.n_docs)
+                self.reader.n_docs, np.asarray(tot.raw_sum[top], np.float64))  # every token scored exactly
 
     def attribute(self, spec: QuerySpec, options: QueryOptions | None = None, *,
                   stop: threading.Event | None = None, progress: bool = False) -> Attribution:
@@ -307,11 +307,15 @@ class Attributor:
         ctx = CallContext(partial=opt.allow_partial)
         if opt.mode == "fast":
             scores, n_scored, ranked, ties, n_exact = self._fast(q, opt, pre, ctx)
+            values = None
         else:
-            scores, n_scored, ranked, ties, n_exact = self._exhaustive(q, opt, pre, stop, progress)
+            scores, n_scored, ranked, ties, n_exact, values = self._exhaustive(q, opt, pre, stop, progress)
         t3 = time.perf_counter()
         docs = [scored_document(self.reader, self.tokenizer, scores, best, score, rank, opponents=opt.opponents)
                 for rank, (best, score) in enumerate(ranked, 1)]
+        if values is None:
+            values = self._document_values(q, pre, scores, np.array([d.doc_id for d in docs], np.int64), ctx)
+        docs = [dataclasses.replace(d, value=float(v)) for d, v in zip(docs, values, strict=True)]
         t_inf = time.perf_counter()
         opposed = 0
         if opt.influence:
@@ -330,6 +334,21 @@ class Attributor:
                      ctx.shortlist_ms, ctx.rerank_ms, 1e3 * (t4 - t_inf))
         return Attribution(opt.mode, opt.aggregation, pre.damping, q.info(), docs, q.per_token, ms, int(n_scored),
                            sorted(ctx.missing), ties, n_exact, opposed)
+
+    def _document_values(self, q: Query, pre: Preconditioner, exact: TokenScores, docs: np.ndarray,
+                         ctx: CallContext) -> np.ndarray:
+        """Each returned document's value: its tokens' raw influences ``s_t`` summed over every row of it,
+        the re-scored rows' exact, the others' from the index's codes (docs/attribution.md, "A document's
+        value")."""
+        if not len(docs):
+            return np.zeros(0)
+        tok, first = np.unique(exact.tok, return_index=True)
+        of = self.reader.doc_of_seqs(self.reader.seq_of_tokens(tok))
+        mine = np.isin(of, docs)
+        tok, raw, of = tok[mine], np.asarray(exact.raw, np.float64)[first][mine], of[mine]
+        order = np.argsort(docs, kind="stable")
+        held = np.bincount(order[np.searchsorted(docs[order], of)], weights=raw, minlength=len(docs))
+        return held + self.shards.document_values(q.G, pre, docs, tok, ctx)
 
     # ------------------------------------------------------------------------ full-model influence
     def ekfac(self) -> EKFAC:

@@ -101,7 +101,7 @@ class ShardActor:
     reads what it needs from the index and the checkpoint itself, so Ray can restart it anywhere."""
 
     # the calls whose curvature crosses the Ray edge as its damping (a float), and where it stands
-    PRECONDITIONED = {"first_stages": 4, "shortlist": 1}
+    PRECONDITIONED = {"first_stages": 4, "shortlist": 1, "document_values": 1}
 
     def __init__(self, index_dir: str, checkpoint: str, shards: list[int], threads: int) -> None:
         torch.set_num_threads(max(1, threads))
@@ -236,6 +236,21 @@ class RayShards:
         parts = self.call({g: ("shortlist", (G, pre.damping, s, aggregation), kw)
                            for g, s in self.split(unique(seqs), self.seq_base).items()}, ctx)
         return merge_shortlists(list(parts.values()), n, -1.0 if opponents else 1.0)
+
+    def document_values(self, G: torch.Tensor, pre: Preconditioner, docs: np.ndarray, skip: np.ndarray,
+                        ctx: CallContext | None = None) -> np.ndarray:
+        """Each holder values its own documents (the rows of ``skip`` it holds left out)."""
+        docs = np.asarray(docs, np.int64)
+        out = np.zeros(len(docs))
+        if not len(docs):
+            return out
+        holder = self.holders_of(docs, self.doc_base)
+        rows = self.split(skip, self.tok_base)
+        parts = self.call({g: ("document_values", (G, pre.damping, docs[holder == g], rows.get(g, np.zeros(0, np.int64))),
+                               {}) for g in unique(holder).tolist()}, ctx)
+        for g, v in parts.items():
+            out[holder == g] = v
+        return out
 
     def prototype_mass(self, docs: np.ndarray, measure: str = "activation",
                        signature: torch.Tensor | None = None, stop: threading.Event | None = None) -> PrototypeMass:

@@ -276,6 +276,27 @@ class ShardWorker:
         self._done("shortlist", t0, started, len(approx.tok))
         return Shortlist(docs, score, tie, best_seq, tokens, match_seqs, len(approx.tok), more, more_score)
 
+    # ------------------------------------------------------------------------ documents' values
+    def document_values(self, G: torch.Tensor, pre: Preconditioner, docs: np.ndarray,
+                        skip: np.ndarray) -> np.ndarray:
+        """Per document of ``docs`` (all in this worker's shards, in the order given): its tokens'
+        approximate raw influences ``s_t`` summed over every row of it but those in ``skip`` (rows the
+        caller holds exact scores of)."""
+        t0, started = time.perf_counter(), time.time()
+        reader = self.reader
+        docs = np.asarray(docs, np.int64)
+        rows = reader.rows_of_documents(docs)
+        rows = rows[~np.isin(rows, np.asarray(skip, np.int64))]
+        out = np.zeros(len(docs))
+        if len(rows):
+            approx = approx_scores(reader, G, pre, rows)
+            of = reader.doc_of_seqs(reader.seq_of_tokens(approx.tok))
+            order = np.argsort(docs, kind="stable")
+            out[:] = np.bincount(order[np.searchsorted(docs[order], of)], weights=np.asarray(approx.raw, np.float64),
+                                 minlength=len(docs))
+        self._done("document_values", t0, started, len(rows))
+        return out
+
     # ------------------------------------------------------------------------ reads
     def sequences(self, seqs: np.ndarray) -> Sequences:
         """The sequences ``seqs`` (all in this worker's shards) and their documents' descriptions."""
@@ -355,6 +376,9 @@ class ShardSet(Protocol):
                   opponents: bool, n: int, m: int | None, match: Targets | None, include_untrained: bool,
                   ctx: CallContext | None = None) -> Shortlist: ...
 
+    def document_values(self, G: torch.Tensor, pre: Preconditioner, docs: np.ndarray, skip: np.ndarray,
+                        ctx: CallContext | None = None) -> np.ndarray: ...
+
     def prototype_mass(self, docs: np.ndarray, measure: str = "activation",
                        signature: torch.Tensor | None = None, stop: threading.Event | None = None) -> PrototypeMass: ...
 
@@ -379,6 +403,10 @@ class LocalShards:
         part = self.worker.shortlist(G, pre, seqs, aggregation, opponents=opponents, n=n, m=m, match=match,
                                      include_untrained=include_untrained)
         return merge_shortlists([part], n, -1.0 if opponents else 1.0)
+
+    def document_values(self, G: torch.Tensor, pre: Preconditioner, docs: np.ndarray, skip: np.ndarray,
+                        ctx: CallContext | None = None) -> np.ndarray:
+        return self.worker.document_values(G, pre, docs, skip)
 
     def prototype_mass(self, docs: np.ndarray, measure: str = "activation",
                        signature: torch.Tensor | None = None, stop: threading.Event | None = None) -> PrototypeMass:

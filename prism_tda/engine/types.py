@@ -151,6 +151,12 @@ class ScoredDocument:
     """Training tokens of the snippet that share prototypes with the query and push the same way."""
     prototypes: list[ProtoShare] = field(default_factory=list)
     """The prototypes that carry the best token's score."""
+    value: float = 0.0
+    """The document's predicted effect on the query's loss in prototype space: its tokens' unnormalised
+    influences summed over every token of it (exact for the re-ranked rows, from the index's codes for the
+    others in fast mode; every token exact in exact mode). Positive: training on it lowered the loss. The
+    ranking stays the score's; this is the value to compare documents' effects by (it predicts
+    leave-some-out retraining better than the score: docs/benchmarks.md, "A document's value")."""
     influence: float | None = None
     """With ``influence``: how much training on this document lowered the query's loss, predicted through
     the whole model (EK-FAC over every linear layer, summed over its windows; negative: raised it). The

@@ -17,6 +17,7 @@ import torch
 from prism_tda.engine import Attributor, FirstStages, QueryOptions, QuerySpec, layout
 from prism_tda.engine.candidates import posting_plan, read_postings
 from prism_tda.engine.scoring import approx_scores, exact_scores, score_tokens
+from prism_tda.engine.shards import CallContext
 from prism_tda.engine.tokens import run_batch
 from prism_tda.errors import PromptTooLongError, QueryError
 from prism_tda.indexer.run import build_index
@@ -224,6 +225,35 @@ def test_document_scores_cover_every_document_and_agree_with_the_ranking(att):
     fast = att.document_scores(q, mode="fast")
     best = int(np.argmax(fast["cosine_max"]))
     assert fast["cosine_max"][best] == pytest.approx(s["cosine_max"][best], rel=1e-4)  # re-ranked exactly
+
+
+def test_a_documents_value_sums_every_token_of_it(att):
+    """A returned document's value is its tokens' raw influences summed over all of its rows: every row
+    recomputed in exact mode; in fast mode the re-ranked rows exact and the others from the codes."""
+    pre = att.preconditioner()
+    r = att.reader
+    for spec in (COMPUTER, QuerySpec("Love is", " a")):
+        q = att.encode(spec)
+        ex = att.attribute(spec, exact(6))
+        fast = att.attribute(spec, QueryOptions(n_documents=6))
+        for d in ex.documents:  # each document's windows recomputed, apart from the exact pass
+            seqs = np.unique(r.seq_of_tokens(r.rows_of_documents(np.array([d.doc_id]))))
+            want = float(np.sum(exact_scores(att.model, r, q.G, pre, seqs).raw))
+            assert d.value == pytest.approx(want, rel=1e-4, abs=1e-6)
+        want = {d.doc_id: d.value for d in ex.documents}
+        both = [d for d in fast.documents if d.doc_id in want]
+        assert len(both) >= 3
+        for d in both:  # from the codes where not re-ranked: near the exact sum
+            assert d.value == pytest.approx(want[d.doc_id], rel=0.01, abs=1e-6)
+        # the parts: every row of the documents given exactly, or none (all from the codes)
+        docs = np.array([d.doc_id for d in ex.documents], np.int64)
+        seqs = np.unique(r.seq_of_tokens(r.rows_of_documents(docs)))
+        every = exact_scores(att.model, r, q.G, pre, seqs)
+        assert att._document_values(q, pre, every, docs, CallContext()) == pytest.approx(
+            [want[int(d)] for d in docs], rel=1e-4, abs=1e-6)
+        none = exact_scores(att.model, r, q.G, pre, np.zeros(0, np.int64))
+        coded = [float(approx_scores(r, q.G, pre, r.rows_of_documents(np.array([d]))).raw.sum()) for d in docs]
+        assert att._document_values(q, pre, none, docs, CallContext()) == pytest.approx(coded, rel=1e-6, abs=1e-9)
 
 
 def test_damping_is_a_query_option(att):

@@ -35,6 +35,7 @@ def single(index):
 def same_answer(a, b) -> None:
     assert [d.doc_id for d in a.documents] == [d.doc_id for d in b.documents]
     np.testing.assert_allclose([d.score for d in a.documents], [d.score for d in b.documents], rtol=1e-6, atol=1e-9)
+    np.testing.assert_allclose([d.value for d in a.documents], [d.value for d in b.documents], rtol=1e-5, atol=1e-9)
     assert [d.token_row for d in a.documents] == [d.token_row for d in b.documents]
     assert [d.snippet for d in a.documents] == [d.snippet for d in b.documents]
     assert [d.trained for d in a.documents] == [d.trained for d in b.documents]

@@ -4,9 +4,12 @@ from __future__ import annotations
 
 import io
 import json
+import sqlite3
 import time
 
 import pyarrow.parquet as pq
+
+from prism_tda.service.state import StateDB
 
 from .conftest import assert_problem
 
@@ -50,6 +53,9 @@ def test_audit_lifecycle(client):
     raw = client.get(f"/v1/audits/{job['id']}/results", params={"format": "parquet"})
     table = pq.read_table(io.BytesIO(raw.content))
     assert table.num_rows == 9 and set(table["item_id"].to_pylist()) == {"a", "b", "c"}
+    # each cited document's value is stored with it, as the item's answer gave it
+    values = [d["value"] for it in items for d in it["documents"]]
+    assert table["value"].to_pylist() == values and all(isinstance(v, float) for v in values)
     # audit_results is a SQL table joinable with the store
     sql = (f"SELECT r.item_id, r.rank, d.external_id FROM audit_results r JOIN documents d USING (doc_id) "
            f"WHERE r.job_id = '{job['id']}' ORDER BY r.item_no, r.rank")
@@ -125,3 +131,16 @@ def test_exact_over_the_time_limit_is_refused_with_its_estimate_and_runs_as_an_a
         assert (done["status"], done["n_done"], done["n_failed"]) == ("completed", 1, 0)
         got = c.get(f"/v1/audits/{job['id']}/items").json()["items"][0]
     assert [d["doc_id"] for d in got["documents"]] == [d["doc_id"] for d in want.json()["documents"]]
+
+
+def test_a_state_database_from_before_values_opens_with_them_null(tmp_path):
+    con = sqlite3.connect(tmp_path / "state.sqlite3")
+    con.executescript("CREATE TABLE results (job_id TEXT NOT NULL, item_no INTEGER NOT NULL, rank INTEGER NOT NULL, "
+                      "doc_id INTEGER NOT NULL, score REAL NOT NULL, raw_influence REAL, seq_id INTEGER, "
+                      "trained INTEGER, PRIMARY KEY (job_id, item_no, rank));"
+                      "INSERT INTO results VALUES ('j', 0, 1, 7, 0.5, 1.5, 3, 1);")
+    con.close()
+    StateDB(tmp_path)
+    con = sqlite3.connect(tmp_path / "state.sqlite3")
+    assert con.execute("SELECT doc_id, score, value FROM results").fetchall() == [(7, 0.5, None)]
+    con.close()

@@ -59,6 +59,9 @@ export function docCard(d) {
       h("a", { href: `#/document/${d.doc_id}` }, d.external_id || `document ${d.doc_id}`),
       d.raw_influence != null ? h("span", { class: "muted", title: "raw influence: breaks ties of the score" },
         `raw ${num(d.raw_influence, 1)}`) : null,
+      d.value != null ? h("span", { class: "muted", title: "value: the prototype-space influences of every token "
+        + "of the document, summed: its predicted effect on the output's loss (positive: lowered it)" },
+        `value ${num(d.value, 1)}`) : null,
       d.influence != null ? h("span", { class: "chip", title: "full-model influence (EK-FAC, every linear layer): "
         + "how much training on this document lowered the output's loss; negative: raised it" },
         `effect ${num(d.influence, 2)}`) : null,
