@@ -230,7 +230,12 @@ def merge(path: Path, res: dict, source: str, key: str = "fresh_split_influence"
                  "lds_prism_fast_at_value_k": res["values"]["prism_fast"]["lds"][0],
                  "lds_prism_fast_at_value_k_ci": res["values"]["prism_fast"]["lds"],
                  "lds_diff_prism_fast_at_value_k_ekfac_ci": res["values"]["prism_fast"]["diff_vs_ekfac_all"],
-                 "value_returned": res["values"]["returned"]} if "values" in res else {}),
+                 "value_returned": res["values"]["returned"],
+                 "value_vs_ekfac": {"estimate": res["values"]["prism_fast_value"]["diff_vs_ekfac_all"][0],
+                                    "ci95": res["values"]["prism_fast_value"]["diff_vs_ekfac_all"][1:]},
+                 "score_at_value_k_vs_ekfac": {"estimate": res["values"]["prism_fast"]["diff_vs_ekfac_all"][0],
+                                               "ci95": res["values"]["prism_fast"]["diff_vs_ekfac_all"][1:]}}
+                if "values" in res else {}),
              **{f"lds_{m}": res[m]["lds"][0] for m in BASELINES if m in res},
              **{f"lds_{m}_ci": res[m]["lds"] for m in BASELINES if m in res},
              **{f"lds_diff_{m}_ekfac_ci": res[m]["diff_vs_ekfac_all"] for m in BASELINES if m in res},

@@ -83,7 +83,7 @@ def print_attribution(index_dir: str | Path, spec: Any, options: Any, as_json: b
         snippet = " ".join(d.snippet.split())[:110]
         mark = "" if d.trained else "  [not trained on]"
         effect = "" if d.influence is None else f"  effect {d.influence:+.3g} "
-        print(f"{d.rank:3d}. {d.score:+.3f}{effect}  {d.external_id:<22s} {snippet}{mark}")
+        print(f"{d.rank:3d}. {d.score:+.3f}  value {d.value:+.3g}{effect}  {d.external_id:<22s} {snippet}{mark}")
     if res.opposed_by_influence:
         print(f"     {res.opposed_by_influence} of the first {options.n_documents} by score left out: their full-model "
               "influence pushes the other way")
