@@ -42,6 +42,8 @@ def test_prompt_gives_highlighted_documents_and_slices_add_up(page, web_live):
     marks = page.locator("#docs-panel .doc .snippet mark")
     assert marks.count() > 0 and all(t for t in marks.all_inner_texts())
     assert all(0 <= float(s) <= 1 for s in page.locator("#docs-panel .score b").all_inner_texts())
+    values = page.locator("#docs-panel .doc .doc-head span.muted", has_text=re.compile(r"^value ")).all_inner_texts()
+    assert len(values) == docs.count() and all(re.fullmatch(r"value -?[0-9]+\.[0-9]", v.strip()) for v in values)
 
     n_tokens = page.locator("#tokens button.tok").count()
     assert n_tokens == 6
