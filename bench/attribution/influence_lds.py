@@ -214,28 +214,31 @@ def add_baselines(args: argparse.Namespace) -> dict:
     return res
 
 
+def lds_keys(name: str, row: dict) -> dict:
+    """A ``row``'s LDS, its interval and its paired difference against EK-FAC, under ``name``."""
+    return {f"lds_{name}": row["lds"][0], f"lds_{name}_ci": row["lds"],
+            f"lds_diff_{name}_ekfac_ci": row["diff_vs_ekfac_all"]}
+
+
+def versus_ekfac(row: dict) -> dict:
+    """A ``row``'s paired difference against EK-FAC as an estimate and its 95% interval."""
+    point, low, high = row["diff_vs_ekfac_all"]
+    return {"estimate": point, "ci95": [low, high]}
+
+
 def merge(path: Path, res: dict, source: str, key: str = "fresh_split_influence") -> None:
     """The fresh split's LDS keys of ``res`` into the block ``key`` of the results file ``path`` (the rest
     of it unchanged)."""
     att = json.loads(path.read_text())
     served = res["prism_fast_influence"][f"{res['influence_damping_served']:g}"]
-    block = {"lds_prism_fast_influence": served["lds"][0], "lds_prism_fast_influence_ci": served["lds"],
-             "lds_diff_prism_fast_influence_ekfac_ci": served["diff_vs_ekfac_all"],
-             "lds_prism_fast": res["prism_fast"]["lds"][0], "lds_prism_fast_ci": res["prism_fast"]["lds"],
-             "lds_diff_prism_fast_ekfac_ci": res["prism_fast"]["diff_vs_ekfac_all"],
+    values = res.get("values")
+    block = {**lds_keys("prism_fast_influence", served), **lds_keys("prism_fast", res["prism_fast"]),
              "lds_ekfac": res["ekfac_all"]["lds"][0], "lds_ekfac_ci": res["ekfac_all"]["lds"],
-             **({"lds_prism_fast_value": res["values"]["prism_fast_value"]["lds"][0],
-                 "lds_prism_fast_value_ci": res["values"]["prism_fast_value"]["lds"],
-                 "lds_diff_prism_fast_value_ekfac_ci": res["values"]["prism_fast_value"]["diff_vs_ekfac_all"],
-                 "lds_prism_fast_at_value_k": res["values"]["prism_fast"]["lds"][0],
-                 "lds_prism_fast_at_value_k_ci": res["values"]["prism_fast"]["lds"],
-                 "lds_diff_prism_fast_at_value_k_ekfac_ci": res["values"]["prism_fast"]["diff_vs_ekfac_all"],
-                 "value_returned": res["values"]["returned"],
-                 "value_vs_ekfac": {"estimate": res["values"]["prism_fast_value"]["diff_vs_ekfac_all"][0],
-                                    "ci95": res["values"]["prism_fast_value"]["diff_vs_ekfac_all"][1:]},
-                 "score_at_value_k_vs_ekfac": {"estimate": res["values"]["prism_fast"]["diff_vs_ekfac_all"][0],
-                                               "ci95": res["values"]["prism_fast"]["diff_vs_ekfac_all"][1:]}}
-                if "values" in res else {}),
+             **({**lds_keys("prism_fast_value", values["prism_fast_value"]),
+                 **lds_keys("prism_fast_at_value_k", values["prism_fast"]),
+                 "value_returned": values["returned"],
+                 "value_vs_ekfac": versus_ekfac(values["prism_fast_value"]),
+                 "score_at_value_k_vs_ekfac": versus_ekfac(values["prism_fast"])} if values else {}),
              **{f"lds_{m}": res[m]["lds"][0] for m in BASELINES if m in res},
              **{f"lds_{m}_ci": res[m]["lds"] for m in BASELINES if m in res},
              **{f"lds_diff_{m}_ekfac_ci": res[m]["diff_vs_ekfac_all"] for m in BASELINES if m in res},

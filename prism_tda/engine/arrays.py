@@ -24,3 +24,9 @@ def best_first(value: np.ndarray, tie: np.ndarray, n: int) -> np.ndarray:
     if len(value) > n > 0:
         at = at[value >= np.partition(value, len(value) - n)[len(value) - n]]
     return at[np.lexsort((tie[at], -value[at]))][:n]
+
+
+def index_in(keys: np.ndarray, values: np.ndarray) -> np.ndarray:
+    """The position in ``keys`` (distinct, any order) of each of ``values`` (each one of the keys)."""
+    order = np.argsort(keys, kind="stable")
+    return order[np.searchsorted(keys[order], values)]

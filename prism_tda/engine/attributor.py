@@ -32,7 +32,7 @@ from prism_tda.errors import PrismError, QueryError, check_stop
 from prism_tda.model import checkpoint as ckpt
 
 from . import layout, scoring
-from .arrays import unique
+from .arrays import index_in, unique
 from .candidates import FirstStages, posting_plan
 from .exact import exhaustive, measure_rate
 from .influence import EKFAC, document_influence
@@ -346,8 +346,7 @@ class Attributor:
         of = self.reader.doc_of_seqs(self.reader.seq_of_tokens(tok))
         mine = np.isin(of, docs)
         tok, raw, of = tok[mine], np.asarray(exact.raw, np.float64)[first][mine], of[mine]
-        order = np.argsort(docs, kind="stable")
-        held = np.bincount(order[np.searchsorted(docs[order], of)], weights=raw, minlength=len(docs))
+        held = np.bincount(index_in(docs, of), weights=raw, minlength=len(docs))
         return held + self.shards.document_values(q.G, pre, docs, tok, ctx)
 
     # ------------------------------------------------------------------------ full-model influence

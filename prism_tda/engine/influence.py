@@ -40,7 +40,7 @@ from torch import nn
 from prism_tda.errors import PrismError
 from prism_tda.model import PRISM
 
-from .arrays import unique
+from .arrays import index_in, unique
 from .tokens import length_batches, pad_batch
 
 #: damping default: x each layer's mean corrected eigenvalue (chosen on the LDS tuning split,
@@ -271,9 +271,8 @@ def document_influence(model: PRISM, ek: EKFAC, reader, token_ids: list[int], ta
     G = query_gradient(model, token_ids, target_positions, target_ids)
     seqs, of = document_sequences(reader, docs)
     per_seq = sequence_influence(model, [ek.precondition(G, d) for d in damps], reader, seqs)
-    order = np.argsort(docs)
     per_doc = np.zeros((len(damps), len(docs)))
-    np.add.at(per_doc.T, order[np.searchsorted(docs[order], of)], per_seq.T)
+    np.add.at(per_doc.T, index_in(docs, of), per_seq.T)
     return per_doc if many else per_doc[0]
 
 

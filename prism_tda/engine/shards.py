@@ -28,7 +28,7 @@ import torch
 
 from prism_tda.errors import check_stop
 
-from .arrays import unique
+from .arrays import index_in, unique
 from .candidates import PostingPlan, best_posting_tokens
 from .query import Targets
 from .reader import IndexReader
@@ -291,9 +291,7 @@ class ShardWorker:
         if len(rows):
             approx = approx_scores(reader, G, pre, rows)
             of = reader.doc_of_seqs(reader.seq_of_tokens(approx.tok))
-            order = np.argsort(docs, kind="stable")
-            out[:] = np.bincount(order[np.searchsorted(docs[order], of)], weights=np.asarray(approx.raw, np.float64),
-                                 minlength=len(docs))
+            out[:] = np.bincount(index_in(docs, of), weights=np.asarray(approx.raw, np.float64), minlength=len(docs))
         self._done("document_values", t0, started, len(rows))
         return out
 
