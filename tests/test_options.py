@@ -17,7 +17,7 @@ from tests.service.conftest import service_settings, serving
 # a value other than the default for every option
 CHOSEN = dict(n_documents=7, mode="exact", n_candidates=77, opponents=True, damping=0.7, aggregation="cosine_sum",
               exact_rerank=9, adaptive_rerank=False, exact_tokens=None, nprobe=3, include_untrained=True,
-              influence=True, allow_partial=True)
+              influence=True, keep_opposed=True, allow_partial=True)
 
 
 def test_the_chosen_values_cover_every_option():

@@ -111,7 +111,7 @@ def main(argv: list[str] | None = None) -> dict:
         if args.values_only:
             continue
         t0 = time.perf_counter()
-        plain = att.attribute(spec, QueryOptions(**opt))
+        plain = att.attribute(spec, QueryOptions(**opt, keep_opposed=True))  # the first k by score
         t_plain.append(time.perf_counter() - t0)
         t0 = time.perf_counter()
         served = att.attribute(spec, QueryOptions(**opt, influence=True))  # as served: ranking + values

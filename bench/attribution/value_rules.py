@@ -58,7 +58,8 @@ def main(argv: list[str] | None = None) -> dict:
         spec = QuerySpec(queries[i]["prompt"], queries[i]["completion"])
         for k in ks:
             t0 = time.perf_counter()
-            res = att.attribute(spec, QueryOptions(n_documents=k, exact_rerank=max(32, k), damping=args.served_damping))
+            res = att.attribute(spec, QueryOptions(n_documents=k, exact_rerank=max(32, k), damping=args.served_damping,
+                                                   keep_opposed=True))
             seconds[k].append(time.perf_counter() - t0)
             answers[k][i] = (np.array([d.doc_id for d in res.documents], np.int64),
                              np.array([d.score for d in res.documents]), np.array([d.value for d in res.documents]))

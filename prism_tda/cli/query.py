@@ -87,6 +87,9 @@ def print_attribution(index_dir: str | Path, spec: Any, options: Any, as_json: b
     if res.opposed_by_influence:
         print(f"     {res.opposed_by_influence} of the first {options.n_documents} by score left out: their full-model "
               "influence pushes the other way")
+    if res.opposed_by_value:
+        print(f"     {res.opposed_by_value} of the first {options.n_documents} by score left out: their value (the whole "
+              "document's influence) pushes the other way (keep them: --keep-opposed)")
     if res.tied_beyond_last:
         scope = "" if res.mode == "exact" else " (at least: among the documents re-ranked)"
         print(f"     {res.tied_beyond_last} more documents score within 0.1% of the last one{scope}")

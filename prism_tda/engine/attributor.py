@@ -37,7 +37,7 @@ from .candidates import FirstStages, posting_plan
 from .exact import exhaustive, measure_rate
 from .influence import EKFAC, document_influence
 from .layout import IndexManifest
-from .present import scored_document
+from .present import left_out_opposed, scored_document
 from .query import Query, QueryEncoder
 from .reader import IndexReader
 from .reads import Reads, read_complete_manifest
@@ -317,23 +317,23 @@ class Attributor:
             values = self._document_values(q, pre, scores, np.array([d.doc_id for d in docs], np.int64), ctx)
         docs = [dataclasses.replace(d, value=float(v)) for d, v in zip(docs, values, strict=True)]
         t_inf = time.perf_counter()
-        opposed = 0
+        sign = -1.0 if opt.opponents else 1.0
+        opposed, opposed_value = 0, 0
         if opt.influence:
             # the documents that drove the output by both measures: the score's order, less those the whole
             # model says push the other way (docs/attribution.md, "Full-model influence")
             values = self.influence(q, np.array([d.doc_id for d in docs], np.int64))
-            sign = -1.0 if opt.opponents else 1.0
             for d, v in zip(docs, values, strict=True):
                 d.influence = float(v)
-            kept = [d for d in docs if sign * (d.influence or 0.0) > 0]
-            opposed = len(docs) - len(kept)
-            docs = [dataclasses.replace(d, rank=r) for r, d in enumerate(kept, 1)]
+            docs, opposed = left_out_opposed(docs, [sign * (d.influence or 0.0) for d in docs])
+        elif not opt.keep_opposed:  # the same rule by the prototype-space value (docs/attribution.md)
+            docs, opposed_value = left_out_opposed(docs, [sign * d.value for d in docs])
         t4 = time.perf_counter()
         cand = ctx.candidates_ms
         ms = Timings(1e3 * (t1 - t0), cand, 1e3 * (t3 - t1) - cand, 1e3 * (t4 - t3), 1e3 * (t4 - t0),
                      ctx.shortlist_ms, ctx.rerank_ms, 1e3 * (t4 - t_inf))
         return Attribution(opt.mode, opt.aggregation, pre.damping, q.info(), docs, q.per_token, ms, int(n_scored),
-                           sorted(ctx.missing), ties, n_exact, opposed)
+                           sorted(ctx.missing), ties, n_exact, opposed, opposed_value)
 
     def _document_values(self, q: Query, pre: Preconditioner, exact: TokenScores, docs: np.ndarray,
                          ctx: CallContext) -> np.ndarray:

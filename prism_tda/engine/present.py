@@ -3,6 +3,8 @@ highlight, and the prototypes that carry its score."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 from tokenizers import Tokenizer
 
@@ -47,3 +49,10 @@ def scored_document(reader: Reads, tokenizer: Tokenizer, scores: TokenScores, be
                           raw_influence=float(raw[best]), trained=bool(reader.trained(np.array([doc]))[0]),
                           seq_id=seq, token_row=t_best,
                           position=start + t_best - t0, snippet=snippet, highlights=highlights, prototypes=carry)
+
+
+def left_out_opposed(docs: list[ScoredDocument], effect: list[float]) -> tuple[list[ScoredDocument], int]:
+    """``docs`` less those whose ``effect`` (a value signed so that positive drives the output the way
+    asked) is <= 0, ranked again in their order; and how many were left out."""
+    kept = [d for d, e in zip(docs, effect, strict=True) if e > 0]
+    return [dataclasses.replace(d, rank=r) for r, d in enumerate(kept, 1)], len(docs) - len(kept)

@@ -88,6 +88,11 @@ class QueryOptions:
     influence curvature: `prism index --out IDX --influence`; not from a cluster). Of the first
     n_documents by score, those whose influence pushes the other way are left out (counted in
     ``opposed_by_influence``)."""
+    keep_opposed: bool = False
+    """Keep the documents whose ``value`` pushes the other way. By default, of the first n_documents by
+    score, a document whose summed prototype-space influence is <= 0 (>= 0 with ``opponents``) is left
+    out (counted in ``opposed_by_value``): its best token matches the output, but training on the whole
+    document raised the output's loss. With ``influence`` the full-model influence decides instead."""
     allow_partial: bool = False
     """Served from a cluster: when some shards do not answer, return the best documents of the others
     (`partial: true`, naming the missing shards) instead of failing with `shard-unavailable`."""
@@ -270,6 +275,10 @@ class Attribution:
     """With ``influence``: documents the score ranked among the first ``n_documents`` but left out
     because their full-model influence pushes the other way (negative for the documents that drove the
     output, positive with ``opponents``); the others keep their ranks' order."""
+    opposed_by_value: int = 0
+    """Without ``influence`` or ``keep_opposed``: documents the score ranked among the first
+    ``n_documents`` but left out because their ``value`` pushes the other way (the same rule as
+    ``opposed_by_influence``, by the prototype-space value)."""
 
     @property
     def partial(self) -> bool:

@@ -256,6 +256,26 @@ def test_a_documents_value_sums_every_token_of_it(att):
         assert att._document_values(q, pre, none, docs, CallContext()) == pytest.approx(coded, rel=1e-6, abs=1e-9)
 
 
+def test_documents_whose_value_opposes_the_output_are_left_out(att):
+    """By default, of the first n by score, a document whose value (its whole influence) pushes the other
+    way is left out and counted; keep_opposed returns them all; with opponents the sign flips."""
+    seen_left_out = 0
+    for spec in (COMPUTER, QuerySpec("Love is", " a"), QuerySpec("The", " man"), QuerySpec("You will", " be")):
+        for mode in ("fast", "exact"):
+            every = att.attribute(spec, QueryOptions(n_documents=12, mode=mode, keep_opposed=True))
+            served = att.attribute(spec, QueryOptions(n_documents=12, mode=mode))
+            assert every.opposed_by_value == 0
+            assert [d.doc_id for d in served.documents] == [d.doc_id for d in every.documents if d.value > 0]
+            assert served.opposed_by_value == sum(d.value <= 0 for d in every.documents)
+            assert [d.rank for d in served.documents] == list(range(1, len(served.documents) + 1))
+            seen_left_out += served.opposed_by_value
+            opp_every = att.attribute(spec, QueryOptions(n_documents=12, mode=mode, opponents=True, keep_opposed=True))
+            opp = att.attribute(spec, QueryOptions(n_documents=12, mode=mode, opponents=True))
+            assert [d.doc_id for d in opp.documents] == [d.doc_id for d in opp_every.documents if d.value < 0]
+            assert opp.opposed_by_value == sum(d.value >= 0 for d in opp_every.documents)
+    assert seen_left_out > 0  # the rule was exercised
+
+
 def test_damping_is_a_query_option(att):
     base = att.attribute(COMPUTER, exact(5))
     assert base.damping == att.reader.cfg.damping

@@ -107,7 +107,7 @@ def test_attribute_returns_each_documents_influence(att, ix):
     info = inf.fit_index(ix, max_sequences=64)
     assert (ix / layout.EKFAC).exists() and info["sequences"] == 64
     res = att.attribute(COMPUTER, QueryOptions(n_documents=8, influence=True))
-    plain = att.attribute(COMPUTER, QueryOptions(n_documents=8))
+    plain = att.attribute(COMPUTER, QueryOptions(n_documents=8, keep_opposed=True))  # the first 8 by score
     assert all(d.influence is None for d in plain.documents) and plain.opposed_by_influence == 0
     q = att.encode(COMPUTER)
     # the score's order, less the documents whose full-model influence pushes the other way

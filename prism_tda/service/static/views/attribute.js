@@ -86,7 +86,10 @@ export async function render(root, { params }) {
           ? ` · ${res.tied_beyond_last}${res.mode === "fast" ? "+" : ""} more documents tie with the last one (within 0.1%)`
           : "";
         const opposed = res.opposed_by_influence
-          ? ` · ${res.opposed_by_influence} left out: their full-model influence pushes the other way` : "";
+          ? ` · ${res.opposed_by_influence} left out: their full-model influence pushes the other way`
+          : res.opposed_by_value
+            ? ` · ${res.opposed_by_value} left out: their value (the whole document's influence) pushes the other way`
+            : "";
         status.textContent = `${res.per_token.length} tokens · ${res.tokens_scored} training tokens scored · ` +
           `${Math.round(res.timings_ms.total ?? 0)} ms${ties}${opposed}`;
         showResult(out);
