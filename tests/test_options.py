@@ -68,7 +68,7 @@ def test_options_reach_the_engine_from_the_command_line(index, recorded, capsys)
     argv = ["attribute", "--index", str(index), "--prompt", "A computer", "--completion", " is a",
             "--target-index", "1", "--n-documents", "7", "--mode", "exact", "--n-candidates", "77", "--opponents",
             "--damping", "0.7", "--aggregation", "cosine_sum", "--exact-rerank", "9", "--no-adaptive-rerank", "--exact-tokens", "none",
-            "--nprobe", "3", "--include-untrained", "--influence", "--allow-partial"]
+            "--nprobe", "3", "--include-untrained", "--influence", "--keep-opposed", "--allow-partial"]
     assert main(argv) == 0
     assert recorded[-1] == (QuerySpec("A computer", " is a", None, 1), QueryOptions(**CHOSEN))
     # exact mode says what it will cost before it starts
