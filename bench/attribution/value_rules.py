@@ -15,7 +15,8 @@ to those values, each from the same answers, one query at a time:
 Each row: LDS with its 95% interval, the paired difference against EK-FAC over every document, and
 the paired difference against ``value_64`` (what an answer carries now), on the same draws. The
 guard: the verbatim facts' planted copy first in each rule's order (the positive rules drop
-documents, so a planted copy with a value <= 0 would lose its place).
+documents, so a planted copy with a value <= 0 would lose its place), and every planted fact asked as
+served (10 documents), verbatim and paraphrased, with the rule and with ``keep_opposed``.
 
     python -m bench.attribution.value_rules --work runs/bench_lds_tune9 --subsets 16 --split all --seed 9 \\
         --out runs/value_rules_tune9.json
@@ -115,6 +116,20 @@ def main(argv: list[str] | None = None) -> dict:
         guard[f"verbatim_r1_by_score_{k}"] = round(float(np.mean(first)), 4)
         guard[f"verbatim_r1_positive_only_{k}"] = round(float(np.mean(first_pos)), 4)
     guard["planted_copies_with_positive_value"] = round(float(np.mean(planted_value_pos)), 4)
+    # planted facts asked as served (10 documents, the index's defaults), with and without the rule:
+    # recall at 10 and the share of facts whose copy is first
+    for kind in ("verbatim", "paraphrase"):
+        asked = [q for q in queries if q["kind"] == kind]
+        for rule, keep in (("served", False), ("keep_opposed", True)):
+            hit, first = [], []
+            for q in asked:
+                res = att.attribute(QuerySpec(q["prompt"], q["completion"]), QueryOptions(keep_opposed=keep))
+                planted = {ext_to_doc[e] for e in q["planted"]}
+                ids = [d.doc_id for d in res.documents]
+                hit.append(bool(planted & set(ids)))
+                first.append(bool(ids) and ids[0] in planted)
+            guard[f"canary_recall_at_10_{kind}_{rule}"] = round(float(np.mean(hit)), 4)
+            guard[f"canary_r1_{kind}_{rule}"] = round(float(np.mean(first)), 4)
     negative_share = {k: round(float(np.mean([np.mean(answers[k][i][2] <= 0) for i in split.queries])), 4) for k in ks}
     res = {"work": str(work), "split": args.split, "subsets": len(split.L), "queries": len(split.queries),
            "documents": n_docs, "served_damping": args.served_damping, "ks": ks,
