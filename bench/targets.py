@@ -29,7 +29,8 @@ OPS: dict[str, Callable[[float, float], bool]] = {">=": operator.ge, "<=": opera
 
 @dataclass(frozen=True)
 class Target:
-    """One target: ``key`` is a dotted path into ``file``; ``ci`` the path of its 95% interval, if any."""
+    """One target: ``key`` is a dotted path into ``file`` (a number, or [point, low, high]); ``ci`` the path of
+    its 95% interval, if any."""
 
     issue: int
     what: str
@@ -87,6 +88,12 @@ TARGETS: list[Target] = [
            "fresh_split_influence_seed7.value_vs_ekfac.estimate", ">=", 0.0,
            "fresh_split_influence_seed7.value_vs_ekfac.ci95",
            "by score on the same split: -0.093", dated_by="attribution_influence_seed7.json"),
+    Target(24, "LDS: served fast path, 128 documents returned, those whose `value` opposes the output left out "
+           "(the default since 2026-12-06), by value, minus EK-FAC, fresh split of seed 8 (paired)",
+           "attribution_value_rules_seed8.json", "rules.value_pos_128.diff_vs_ekfac_all", ">=", 0.0,
+           note="64 returned, every value kept (the previous measure): -0.060; by score: -0.082"),
+    Target(24, "`canary_recall_at_10_paraphrase`, the served answer on the fresh split of seed 8 (verbatim: 1.0)",
+           "attribution_value_rules_seed8.json", "guard.canary_recall_at_10_paraphrase_served", ">=", 0.95),
     Target(24, "`lds_prism_fast` against `lds_ekfac`, the report split of 2026-12-02", "attribution.json",
            "lds_prism_fast", ">=", versus="lds_ekfac"),
     Target(24, "LDS: fast path with the `influence` option minus EK-FAC, same splits pooled", "attribution.json",
@@ -185,6 +192,8 @@ def render(results: Path = RESULTS, targets: list[Target] = TARGETS) -> str:
                 target = lookup(data, t.versus) if t.versus else t.target
             except KeyError as e:
                 raise KeyError(f"{results / t.file}: no key {e.args[0]!r} (target {t.what!r})") from None
+            if isinstance(value, list) and len(value) == 3 and ci is None:  # [point, low, high]
+                value, ci = value[0], value[1:]
             shown = fmt(value) + (f" ({fmt(ci[0])} to {fmt(ci[1])})" if ci else "")
             goal = f"{t.op} {fmt(target)}" if t.op and target is not None else "reported"
             if t.versus:

@@ -2,7 +2,9 @@
 
 Builds the demo corpus plus invented facts (several copies each), trains the tiny PRISM model on
 it (or reuses it), indexes the training split, and asks every fact with its verbatim and its
-paraphrased prompt. Reports recall@1/@10 and MRR of the planted documents per method, prompt kind
+paraphrased prompt. Reports recall@1/@10 and MRR of the planted documents per method (``fast``: the
+fast path's ranking, every one of its first 50 documents; ``served``: its answer, the documents whose
+value opposes the output left out, which the ``canary_*`` keys read), prompt kind
 and memorised / not memorised facts; top-10 overlap of the fast path with the exact path and the
 candidate stage's recall of the exact top-10; time per query.
 
@@ -115,12 +117,16 @@ def main(argv: list[str] | None = None) -> dict:
     overlaps, cand_recalls, times = [], [], {"fast": [], "exact": [exact_s] * len(queries), "bm25": []}
     for (f, kind, prompt, wanted, memorised), q, exact in zip(queries, encoded, exact_all, strict=True):
         row = {"fact": f.fact_id, "kind": kind, "memorised": memorised}
-        r = att.attribute(QuerySpec(prompt, f.answer), QueryOptions(n_documents=50, n_candidates=args.candidates))
+        # the fast path's ranking (every document of its first 50 by score, as the exact ranking below), and
+        # the served answer (the documents whose value opposes the output left out)
+        r = att.attribute(QuerySpec(prompt, f.answer), QueryOptions(n_documents=50, n_candidates=args.candidates,
+                                                                    keep_opposed=True))
         times["fast"].append(r.timings_ms.total / 1e3)
-        res = {"fast": [ext[d.doc_id] for d in r.documents]}
+        served = att.attribute(QuerySpec(prompt, f.answer), QueryOptions(n_documents=50, n_candidates=args.candidates))
+        res = {"fast": [ext[d.doc_id] for d in r.documents], "served": [ext[d.doc_id] for d in served.documents]}
         s = np.where(trained, exact["cosine_max"], -np.inf)
         res["exact"] = [ext[int(d)] for d in np.argsort(-s, kind="stable")[:50] if np.isfinite(s[d]) and s[d] > 0]
-        for mode in ("fast", "exact"):
+        for mode in ("fast", "served", "exact"):
             row[mode] = rank_of(res[mode], wanted)
         top_f, top_e = set(res["fast"][:10]), set(res["exact"][:10])
         overlaps.append(len(top_f & top_e) / max(len(top_e), 1))
@@ -154,14 +160,16 @@ def main(argv: list[str] | None = None) -> dict:
         return summarise([r[method] for r in rows if r["kind"] == kind and (mem is None or r["memorised"] == mem)])
 
     res: dict = {"per_method": {}}
-    for m in ("fast", "exact", "bm25"):
+    for m in ("fast", "served", "exact", "bm25"):
         res["per_method"][m] = {f"{k}{'' if mem is None else ('_memorised' if mem else '_not_memorised')}":
                                 group(m, k, mem) for k in ("verbatim", "paraphrase") for mem in (None, True, False)}
     pm = res["per_method"]
     res |= {
-        "canary_recall_at_10_verbatim": pm["fast"]["verbatim"]["recall_at_10"],
-        "canary_recall_at_10_paraphrase": pm["fast"]["paraphrase"]["recall_at_10"],
-        "canary_recall_at_10_verbatim_memorised": pm["fast"]["verbatim_memorised"]["recall_at_10"],
+        # the guards read the served answer; the agreement with exact (below) the fast path's ranking
+        "canary_recall_at_10_verbatim": pm["served"]["verbatim"]["recall_at_10"],
+        "canary_recall_at_10_paraphrase": pm["served"]["paraphrase"]["recall_at_10"],
+        "canary_recall_at_10_verbatim_memorised": pm["served"]["verbatim_memorised"]["recall_at_10"],
+        "canary_recall_at_10_paraphrase_fast_ranking": pm["fast"]["paraphrase"]["recall_at_10"],
         "candidate_recall_of_exact_top10_memorised": float(np.mean([r["candidate_recall_of_exact_top10"]
                                                                      for r in rows if r["memorised"]] or [np.nan])),
         "near_tie_query_share": float(np.mean([n > 10 for n in ties.get("cosine_max", [])] or [np.nan])),
