@@ -198,6 +198,7 @@ def overlap_fast_exact(index: Path, queries: list[dict], k: int = 10, arms: dict
             att.stages = settings[a]
             t0 = time.perf_counter()
             fast[a].append([d.doc_id for d in att.attribute(s, QueryOptions(n_documents=k, include_untrained=True,
+                                                                                keep_opposed=True,  # the ranking
                                                                                 **OPTIONS)).documents])
             secs[a] += time.perf_counter() - t0
     att.stages = settings["served"]

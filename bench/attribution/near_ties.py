@@ -200,7 +200,8 @@ def fast_overlap(att: Attributor, queries: list[dict], per_query: list[dict], ag
         for qi, (q, row) in enumerate(zip(queries, per_query, strict=True)):
             t0 = time.perf_counter()
             res = att.attribute(QuerySpec(q["prompt"], q["completion"]),
-                                QueryOptions(n_documents=n, aggregation=agg, include_untrained=True, **options))
+                                QueryOptions(n_documents=n, aggregation=agg, include_untrained=True,
+                                             keep_opposed=True, **options))  # the ranking
             secs.append(time.perf_counter() - t0)
             reranked.append(res.documents_reranked)
             got = {d.external_id for d in res.documents}

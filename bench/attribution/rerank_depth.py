@@ -122,7 +122,7 @@ def agreement(att: Attributor, queries: list[dict], exact: np.ndarray, row_of: d
         t0 = time.perf_counter()
         res = att.attribute(QuerySpec(q["prompt"], q["completion"]),
                             QueryOptions(**{"n_documents": n, "include_untrained": True, "exact_rerank": depth,
-                                            **options}))
+                                            "keep_opposed": True, **options}))
         secs.append(time.perf_counter() - t0)
         reranked.append(res.documents_reranked)
         got = [row_of[d.external_id] for d in res.documents]

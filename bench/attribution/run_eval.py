@@ -146,7 +146,8 @@ def _prism(work: Path, index_dir: Path, queries: list[dict], candidates: int) ->
     all_exact = att.exact_document_scores(encoded)
     times["exact"] = [(time.perf_counter() - t_ex) / len(queries)] * len(queries)  # one pass, shared
     for spec, qq, exact in zip(specs, encoded, all_exact, strict=True):
-        r = att.attribute(spec, QueryOptions(n_candidates=candidates))
+        # the fast path's ranking against the exhaustive one: every one of its first 10
+        r = att.attribute(spec, QueryOptions(n_candidates=candidates, keep_opposed=True))
         times["fast"].append(r.timings_ms.total / 1e3)
         top["fast"].append([d.doc_id for d in r.documents])
         s = exact["cosine_max"]
@@ -164,7 +165,7 @@ def _prism(work: Path, index_dir: Path, queries: list[dict], candidates: int) ->
     groups = (("all", ("verbatim", "paraphrase", "heldout")), ("facts", ("verbatim", "paraphrase")),
               ("heldout", ("heldout",)))
     for nc in (candidates, 2 * candidates, 4 * candidates):
-        ov = [len({d.doc_id for d in att.attribute(spec, QueryOptions(n_candidates=nc)).documents} & set(e))
+        ov = [len({d.doc_id for d in att.attribute(spec, QueryOptions(n_candidates=nc, keep_opposed=True)).documents} & set(e))
               / max(len(e), 1) for spec, e in zip(specs, top["exact"], strict=True)]
         out["overlap_by_candidates"][nc] = {k: float(np.mean([o for o, q in zip(ov, queries, strict=True)
                                                                if q["kind"] in kinds])) for k, kinds in groups}
