@@ -158,12 +158,13 @@ def test_approximate_scores_track_the_exact_ones(att):
 
 
 def test_opponents_are_negative_and_ordered(att):
-    res = att.attribute(COMPUTER, exact(5, opponents=True))
+    # the ranking itself: every one of the first 5 (the rule on values is tested apart)
+    res = att.attribute(COMPUTER, exact(5, opponents=True, keep_opposed=True))
     scores = [d.score for d in res.documents]
     assert scores == sorted(scores) and scores[0] < 0
     assert [d.rank for d in res.documents] == [1, 2, 3, 4, 5]
     fast = att.attribute(COMPUTER, QueryOptions(n_documents=5, opponents=True, n_candidates=100_000,
-                                                exact_rerank=100_000))
+                                                exact_rerank=100_000, keep_opposed=True))
     assert [d.score for d in fast.documents] == pytest.approx(scores, rel=1e-4)
 
 
