@@ -31,6 +31,7 @@ from bench.attribution.planted import make_facts, write_corpus
 from prism_tda.cli import build_configs
 from prism_tda.corpus import is_validation
 from prism_tda.engine import Attributor, QueryOptions, QuerySpec
+from prism_tda.engine.present import left_out_opposed
 from prism_tda.indexer.run import build_index
 from prism_tda.model import checkpoint as ckpt
 from prism_tda.model.train import Trainer
@@ -122,8 +123,8 @@ def main(argv: list[str] | None = None) -> dict:
         r = att.attribute(QuerySpec(prompt, f.answer), QueryOptions(n_documents=50, n_candidates=args.candidates,
                                                                     keep_opposed=True))
         times["fast"].append(r.timings_ms.total / 1e3)
-        served = att.attribute(QuerySpec(prompt, f.answer), QueryOptions(n_documents=50, n_candidates=args.candidates))
-        res = {"fast": [ext[d.doc_id] for d in r.documents], "served": [ext[d.doc_id] for d in served.documents]}
+        served, _ = left_out_opposed(r.documents, [d.value for d in r.documents])  # the served rule
+        res = {"fast": [ext[d.doc_id] for d in r.documents], "served": [ext[d.doc_id] for d in served]}
         s = np.where(trained, exact["cosine_max"], -np.inf)
         res["exact"] = [ext[int(d)] for d in np.argsort(-s, kind="stable")[:50] if np.isfinite(s[d]) and s[d] > 0]
         for mode in ("fast", "served", "exact"):

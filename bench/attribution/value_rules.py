@@ -46,6 +46,7 @@ def main(argv: list[str] | None = None) -> dict:
     import torch
 
     from prism_tda.engine import Attributor, QueryOptions, QuerySpec
+    from prism_tda.engine.present import left_out_opposed
 
     torch.set_num_threads(2)
     ks = sorted({int(k) for k in args.ks.split(",")})
@@ -68,7 +69,7 @@ def main(argv: list[str] | None = None) -> dict:
             print(f"{n}/{len(split.queries)} queries", flush=True)
 
     def matrix(pick) -> np.ndarray:
-        """(queries, documents): ``pick(ids, scores, values)`` -> (ids, entries) per query, 0 elsewhere."""
+        """(queries, documents): ``pick(query)`` -> (document ids, entries) per query, 0 elsewhere."""
         M = np.zeros((n_q, n_docs))
         for i in split.queries:
             ids, vals = pick(i)
@@ -120,16 +121,17 @@ def main(argv: list[str] | None = None) -> dict:
     # recall at 10 and the share of facts whose copy is first
     for kind in ("verbatim", "paraphrase"):
         asked = [q for q in queries if q["kind"] == kind]
-        for rule, keep in (("served", False), ("keep_opposed", True)):
-            hit, first = [], []
-            for q in asked:
-                res = att.attribute(QuerySpec(q["prompt"], q["completion"]), QueryOptions(keep_opposed=keep))
-                planted = {ext_to_doc[e] for e in q["planted"]}
-                ids = [d.doc_id for d in res.documents]
-                hit.append(bool(planted & set(ids)))
-                first.append(bool(ids) and ids[0] in planted)
-            guard[f"canary_recall_at_10_{kind}_{rule}"] = round(float(np.mean(hit)), 4)
-            guard[f"canary_r1_{kind}_{rule}"] = round(float(np.mean(first)), 4)
+        found: dict[str, list[tuple[bool, bool]]] = {"served": [], "keep_opposed": []}
+        for q in asked:
+            every = att.attribute(QuerySpec(q["prompt"], q["completion"]), QueryOptions(keep_opposed=True)).documents
+            served, _ = left_out_opposed(every, [d.value for d in every])  # the served rule
+            planted = {ext_to_doc[e] for e in q["planted"]}
+            for rule, docs in (("served", served), ("keep_opposed", every)):
+                ids = [d.doc_id for d in docs]
+                found[rule].append((bool(planted & set(ids)), bool(ids) and ids[0] in planted))
+        for rule, got in found.items():
+            guard[f"canary_recall_at_10_{kind}_{rule}"] = round(float(np.mean([h for h, _ in got])), 4)
+            guard[f"canary_r1_{kind}_{rule}"] = round(float(np.mean([f for _, f in got])), 4)
     negative_share = {k: round(float(np.mean([np.mean(answers[k][i][2] <= 0) for i in split.queries])), 4) for k in ks}
     res = {"work": str(work), "split": args.split, "subsets": len(split.L), "queries": len(split.queries),
            "documents": n_docs, "served_damping": args.served_damping, "ks": ks,

@@ -317,17 +317,19 @@ class Attributor:
             values = self._document_values(q, pre, scores, np.array([d.doc_id for d in docs], np.int64), ctx)
         docs = [dataclasses.replace(d, value=float(v)) for d, v in zip(docs, values, strict=True)]
         t_inf = time.perf_counter()
-        sign = -1.0 if opt.opponents else 1.0
-        opposed, opposed_value = 0, 0
         if opt.influence:
-            # the documents that drove the output by both measures: the score's order, less those the whole
-            # model says push the other way (docs/attribution.md, "Full-model influence")
             values = self.influence(q, np.array([d.doc_id for d in docs], np.int64))
             for d, v in zip(docs, values, strict=True):
                 d.influence = float(v)
-            docs, opposed = left_out_opposed(docs, [sign * (d.influence or 0.0) for d in docs])
-        elif not opt.keep_opposed:  # the same rule by the prototype-space value (docs/attribution.md)
-            docs, opposed_value = left_out_opposed(docs, [sign * d.value for d in docs])
+        opposed, opposed_value = 0, 0
+        if not opt.keep_opposed:
+            # the documents that drove the output by both measures: the score's order, less those whose
+            # effect pushes the other way, by the full-model influence when asked, else by the value
+            # (docs/attribution.md, "A document's value" and "Full-model influence")
+            sign = -1.0 if opt.opponents else 1.0
+            effect = [sign * (d.influence or 0.0) if opt.influence else sign * d.value for d in docs]
+            docs, left_out = left_out_opposed(docs, effect)
+            opposed, opposed_value = (left_out, 0) if opt.influence else (0, left_out)
         t4 = time.perf_counter()
         cand = ctx.candidates_ms
         ms = Timings(1e3 * (t1 - t0), cand, 1e3 * (t3 - t1) - cand, 1e3 * (t4 - t3), 1e3 * (t4 - t0),

@@ -87,12 +87,13 @@ class QueryOptions:
     linear layer, summed over the document's windows, one backward pass per window (needs the index's
     influence curvature: `prism index --out IDX --influence`; not from a cluster). Of the first
     n_documents by score, those whose influence pushes the other way are left out (counted in
-    ``opposed_by_influence``)."""
+    ``opposed_by_influence``) unless ``keep_opposed``."""
     keep_opposed: bool = False
-    """Keep the documents whose ``value`` pushes the other way. By default, of the first n_documents by
-    score, a document whose summed prototype-space influence is <= 0 (>= 0 with ``opponents``) is left
-    out (counted in ``opposed_by_value``): its best token matches the output, but training on the whole
-    document raised the output's loss. With ``influence`` the full-model influence decides instead."""
+    """Keep the documents whose effect pushes the other way. By default, of the first n_documents by
+    score, a document whose ``value`` (summed prototype-space influence) is <= 0 (>= 0 with
+    ``opponents``) is left out (counted in ``opposed_by_value``): its best token matches the output, but
+    training on the whole document raised the output's loss. With ``influence`` the full-model
+    influence decides instead (``opposed_by_influence``)."""
     allow_partial: bool = False
     """Served from a cluster: when some shards do not answer, return the best documents of the others
     (`partial: true`, naming the missing shards) instead of failing with `shard-unavailable`."""
@@ -272,7 +273,7 @@ class Attribution:
     """Documents scored exactly: fast, the shortlisted documents the model re-scored (at least
     n_documents, at most exact_rerank; fewer with adaptive_rerank); exact, every document."""
     opposed_by_influence: int = 0
-    """With ``influence``: documents the score ranked among the first ``n_documents`` but left out
+    """With ``influence`` (without ``keep_opposed``): documents the score ranked among the first ``n_documents`` but left out
     because their full-model influence pushes the other way (negative for the documents that drove the
     output, positive with ``opponents``); the others keep their ranks' order."""
     opposed_by_value: int = 0

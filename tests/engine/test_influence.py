@@ -115,6 +115,9 @@ def test_attribute_returns_each_documents_influence(att, ix):
                      att.influence(q, np.array([d.doc_id for d in plain.documents])), strict=True))
     assert [d.doc_id for d in res.documents] == [d.doc_id for d in plain.documents if every[d.doc_id] > 0]
     assert res.opposed_by_influence == sum(v <= 0 for v in every.values())
+    every_kept = att.attribute(COMPUTER, QueryOptions(n_documents=8, influence=True, keep_opposed=True))
+    assert [d.doc_id for d in every_kept.documents] == [d.doc_id for d in plain.documents]
+    assert every_kept.opposed_by_influence == 0 and every_kept.opposed_by_value == 0
     assert [d.rank for d in res.documents] == list(range(1, len(res.documents) + 1))
     assert 0 < len(res.documents) and all(d.influence > 0 for d in res.documents)
     opp = att.attribute(COMPUTER, QueryOptions(n_documents=8, influence=True, opponents=True))
