@@ -78,11 +78,11 @@ def fmt(x: float) -> str:
 
 TARGETS: list[Target] = [
     # issue 24: answers you can trust
-    Target(24, "LDS: served fast path (documents by their score) minus EK-FAC, three fresh splits pooled (paired)",
+    Target(24, "LDS: served fast path (documents by their score) minus EK-FAC, four fresh splits pooled (paired)",
            "attribution.json",
            "fresh_splits_influence_pooled.lds_diff_prism_fast_ekfac_ci.estimate", ">=", 0.0,
            "fresh_splits_influence_pooled.lds_diff_prism_fast_ekfac_ci.ci95",
-           dated_by="attribution_influence_seed7.json"),
+           dated_by="attribution_influence_seed8.json"),
     Target(24, "LDS: served fast path, documents by their `value` (summed prototype-space influence) minus EK-FAC, "
            "fresh split of seed 7 (paired)", "attribution.json",
            "fresh_split_influence_seed7.value_vs_ekfac.estimate", ">=", 0.0,
@@ -99,7 +99,8 @@ TARGETS: list[Target] = [
     Target(24, "LDS: fast path with the `influence` option minus EK-FAC, same splits pooled", "attribution.json",
            "fresh_splits_influence_pooled.lds_diff_prism_fast_influence_ekfac_ci.estimate", ">=", 0.0,
            "fresh_splits_influence_pooled.lds_diff_prism_fast_influence_ekfac_ci.ci95",
-           "an option, not the default: about 4x a fast query's time", dated_by="attribution_influence_seed7.json"),
+           "an option, not the default: about 3x a fast query's time (0.81 s against 0.25 s at 128 documents, "
+           "seed 8)", dated_by="attribution_influence_seed8.json"),
     Target(24, "`near_tie_query_share` (exact `cosine_max`, >= 4M tokens)", "near_ties_scale.json",
            "near_tie_query_share", "<=", 0.1),
     Target(24, "`overlap_at_10_fast_vs_exact`, strict, 96 fresh queries at 6.22M tokens (the report: asked once)",

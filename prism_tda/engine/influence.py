@@ -105,8 +105,8 @@ def _loss(model: PRISM, x: torch.Tensor, y: torch.Tensor, mask: torch.Tensor,
             probs = torch.softmax(logits.detach(), -1).reshape(-1, logits.shape[-1])
             y = torch.multinomial(probs, 1, generator=generator).reshape(y.shape)
     # the unmasked positions ignored rather than indexed out: a boolean index of the (B, T, V) logits
-    # copies them, and its backward scatters into a zeroed (B, T, V) tensor, which cost as much as the
-    # rest of the backward pass (docs/benchmarks.md, "The influence option, a third cheaper")
+    # copies them, and its backward scatters into a zeroed (B, T, V) tensor, a fifth of the option's
+    # time (docs/benchmarks.md, "The `influence` option without a boolean index into the logits")
     return F.cross_entropy(logits.flatten(0, 1), torch.where(mask, y, -100).flatten(), ignore_index=-100,
                            reduction="sum")
 

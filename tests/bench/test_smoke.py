@@ -471,3 +471,23 @@ def test_scale_corpus_manifest_counts_each_source_and_hashes_each_file(tmp_path)
                             "planted": {"documents": 1, "characters": 1}}
     assert m["sha256"] == {"part-000.jsonl": hashlib.sha256(b"one\n").hexdigest(),
                            "part-001.jsonl": hashlib.sha256(b"two\n").hexdigest()}
+
+
+def test_influence_loss_ab_runs_both_losses_on_a_copy_of_the_tiny_index(index, tmp_path):
+    """bench/influence_loss_ab.py: both forms of the loss give the same values and curvature, and the
+    engine's loss is put back."""
+    import shutil
+
+    import prism_tda.engine.influence as inf
+    from bench.influence_loss_ab import ARMS, main
+
+    ix = tmp_path / "ix"
+    shutil.copytree(index, ix)
+    inf.fit_index(ix, max_sequences=16)
+    engine_loss = inf._loss
+    res = main(["--index", str(ix), "--prompts", "2", "--prompt-tokens", "12", "--repeats", "2", "--documents", "3",
+                "--fit-sequences", "8", "--out", str(tmp_path / "ab.json")])
+    block = res["by_documents"]["3"]
+    assert block["calls"] == 4 and set(block["ms_p50"]) == set(ARMS)
+    assert block["max_rel_value_diff"] < 1e-6 and res["fit"]["max_rel_eigenvalue_diff"] < 1e-6
+    assert inf._loss is engine_loss
