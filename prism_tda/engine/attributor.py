@@ -371,13 +371,10 @@ class Attributor:
         ``damping``: x each layer's mean eigenvalue (default the module's), or a list (one row each)."""
         from .influence import DEFAULT_DAMPING
 
-        if not isinstance(self.shards, LocalShards):
-            raise QueryError("influence: reads the returned documents' windows in this process; not served from "
-                             "a cluster (serve the index without one to ask for it)")
-        ek = self.ekfac()
-        reader = self.local_reader("influence")
-        return document_influence(self.model, ek, reader, q.token_ids, q.target_positions, q.target_ids, docs,
-                                  DEFAULT_DAMPING if damping is None else damping)
+        # served from a cluster, the documents' windows come from the actors holding them (the model's
+        # passes over them run here, in the coordinator)
+        return document_influence(self.model, self.ekfac(), self.reader, q.token_ids, q.target_positions,
+                                  q.target_ids, docs, DEFAULT_DAMPING if damping is None else damping)
 
     # ------------------------------------------------------------------------ steering
     def corpus_mass(self) -> PrototypeMass:

@@ -385,6 +385,11 @@ class RemoteReader(IndexWide):
             out[~ok] = self._ask("seq_of_tokens", tok[~ok], self.tok_base)
         return out.astype(np.int64)
 
+    def sequences_of_documents(self, docs: np.ndarray) -> np.ndarray:
+        by = self.remote.split(unique(np.asarray(docs, np.int64)), self.doc_base)
+        parts = self.remote.call({g: ("sequences_of_documents", (part,), {}) for g, part in by.items()})
+        return np.sort(np.concatenate([np.zeros(0, np.int64), *(np.asarray(v, np.int64) for v in parts.values())]))
+
     def trained(self, docs: np.ndarray) -> np.ndarray:
         docs = np.asarray(docs, np.int64)
         out = np.ones(len(docs), dtype=bool)

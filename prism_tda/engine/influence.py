@@ -40,7 +40,7 @@ from torch import nn
 from prism_tda.errors import PrismError
 from prism_tda.model import PRISM
 
-from .arrays import index_in, unique
+from .arrays import index_in
 from .tokens import length_batches, pad_batch
 
 #: damping default: x each layer's mean corrected eigenvalue (chosen on the LDS tuning split,
@@ -257,8 +257,10 @@ def sequence_influence(model: PRISM, P: dict[str, torch.Tensor] | list[dict[str,
 
 
 def document_sequences(reader, docs: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """(every sequence of the documents ``docs``, each one's document)."""
-    seqs = unique(reader.seq_of_tokens(reader.rows_of_documents(np.asarray(docs, np.int64))))
+    """(every sequence of the documents ``docs``, each one's document); a reader of shards held elsewhere
+    fetches their windows at once."""
+    seqs = reader.sequences_of_documents(np.asarray(docs, np.int64))
+    reader.prefetch(seqs)
     return seqs, reader.doc_of_seqs(seqs)
 
 

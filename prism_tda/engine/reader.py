@@ -346,6 +346,15 @@ class IndexReader(IndexWide):
             parts.append(self.tok_base[s] + ranges(t0[local], t0[local + 1]))
         return np.concatenate(parts) if parts else np.zeros(0, np.int64)
 
+    def sequences_of_documents(self, docs: np.ndarray) -> np.ndarray:
+        """Every global sequence id of the given documents (ascending)."""
+        parts = []
+        for s, _, local in self._split(unique(np.asarray(docs, np.int64)), self.doc_base):
+            sh = self.shard(s)
+            parts.append(self.seq_base[s] + ranges(np.searchsorted(sh.seq_doc, local, side="left"),
+                                                   np.searchsorted(sh.seq_doc, local, side="right")))
+        return np.concatenate(parts).astype(np.int64) if parts else np.zeros(0, np.int64)
+
     def rows_of_documents(self, docs: np.ndarray) -> np.ndarray:
         """Global token rows of the given documents (ascending)."""
         parts = []

@@ -149,6 +149,10 @@ class Reads(Protocol):
         """The document of each global sequence id."""
         ...
 
+    def sequences_of_documents(self, docs: np.ndarray) -> np.ndarray:
+        """Every global sequence id of the documents ``docs`` (ascending)."""
+        ...
+
     def trained(self, docs: np.ndarray) -> np.ndarray:
         """Whether the checkpoint trained on each of the global document ids ``docs``."""
         ...

@@ -315,6 +315,9 @@ class ShardWorker:
     def seq_of_tokens(self, tok: np.ndarray) -> np.ndarray:
         return self.reader.seq_of_tokens(np.asarray(tok, np.int64))
 
+    def sequences_of_documents(self, docs: np.ndarray) -> np.ndarray:
+        return self.reader.sequences_of_documents(np.asarray(docs, np.int64))
+
     def trained(self, docs: np.ndarray) -> np.ndarray:
         return self.reader.trained(np.asarray(docs, np.int64))
 

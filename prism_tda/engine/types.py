@@ -85,7 +85,7 @@ class QueryOptions:
     influence: bool = False
     """Also give each returned document its full-model influence (``influence``): EK-FAC through every
     linear layer, summed over the document's windows, one backward pass per window (needs the index's
-    influence curvature: `prism index --out IDX --influence`; not from a cluster). Of the first
+    influence curvature: `prism index --out IDX --influence`). Of the first
     n_documents by score, those whose influence pushes the other way are left out (counted in
     ``opposed_by_influence``) unless ``keep_opposed``."""
     keep_opposed: bool = False

@@ -125,3 +125,39 @@ def test_sigkill_of_a_shard_actor_mid_loop(local_ray, single, index):
             same_answer(want[i], att.attribute(q, opt))
     finally:
         att.close()
+
+
+def test_influence_from_a_cluster_is_the_single_process_one(local_ray, index, tmp_path):
+    """`influence` served from a cluster reads the returned documents' windows from the actors holding
+    them and gives each document the value one process gives, with the same documents left out."""
+    import shutil
+
+    from prism_tda.engine.influence import fit_index
+
+    ix = tmp_path / "ix"
+    shutil.copytree(index, ix)
+    fit_index(ix, max_sequences=16)
+    one = Attributor.open(ix)
+    att = Attributor.open(ix, cluster=ClusterSpec(actors=2, num_cpus=0.5, call_timeout_s=60))
+    try:
+        multi_window = 0
+        for spec in QUERIES[:2]:
+            for opt in (QueryOptions(n_documents=8, influence=True),
+                        QueryOptions(n_documents=8, influence=True, keep_opposed=True)):
+                a, b = one.attribute(spec, opt), att.attribute(spec, opt)
+                assert [d.doc_id for d in a.documents] == [d.doc_id for d in b.documents]
+                assert a.opposed_by_influence == b.opposed_by_influence
+                np.testing.assert_allclose([d.influence for d in b.documents], [d.influence for d in a.documents],
+                                           rtol=1e-5, atol=1e-9)
+                assert all(d.influence is not None for d in b.documents)
+                docs = np.array([d.doc_id for d in a.documents], np.int64)
+                seqs = att.reader.sequences_of_documents(docs)
+                assert np.array_equal(seqs, one.reader.sequences_of_documents(docs))
+                multi_window += int(len(seqs) > len(docs))
+        assert multi_window  # some returned document has several windows, all read from its holder
+        # the documents span several shards, so both holders are asked
+        held = {int(g) for g in att.shards.holders_of(np.array([d.doc_id for d in a.documents]), one.reader.doc_base)}
+        assert len(held) == 2
+    finally:
+        att.close()
+        one.close()
