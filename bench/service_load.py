@@ -8,8 +8,9 @@ connection each) and records p50/p99 latency, requests per second and errors.
     python -m bench.service_load --index runs/demo/index
 
 /v1/attribute: a 64-token prompt (cut from different training documents) plus a completion,
-fast mode, top 10. /v1/sql: the documents that most activate a prototype (a scan of the
-activations table). Writes ``bench/results/service.json``.
+fast mode, top 10 (``--option`` adds fields to the body, e.g. ``influence=true``). /v1/sql: the
+documents that most activate a prototype (a scan of the activations table). Writes
+``bench/results/service.json``.
 """
 
 from __future__ import annotations
@@ -104,9 +105,13 @@ def main(argv: list[str] | None = None) -> dict:
                     help="a setting of the server (`prism serve`'s PRISM_* environment), e.g. torch_threads=1; "
                          "repeatable, recorded in the result")
     ap.add_argument("--workers", type=int, default=1, help="server processes (`prism serve --workers`)")
+    ap.add_argument("--option", action="append", default=[], metavar="FIELD=JSON",
+                    help="a field added to every /v1/attribute body, e.g. influence=true; repeatable, recorded in "
+                         "the result")
     ap.add_argument("--out", default="bench/results/service.json")
     args = ap.parse_args(argv)
     server = dict(kv.split("=", 1) for kv in args.server)
+    options = {k: json.loads(v) for k, v in (kv.split("=", 1) for kv in args.option)}
     wanted = {f"/v1/{e.strip()}" for e in args.endpoints.split(",")}
     index = Path(args.index).resolve()
     manifest = json.loads((index / layout.MANIFEST).read_text())
@@ -116,7 +121,7 @@ def main(argv: list[str] | None = None) -> dict:
     with served(index, "demo", poll_s=0.2, env=env, options=("--workers", str(args.workers))) as (_, url, startup_s):
         bodies = {
             "/v1/attribute": lambda i: {"prompt": prompts[i % len(prompts)], "completion": " is a machine",
-                                        "top_k": 10, "mode": "fast"},
+                                        "top_k": 10, "mode": "fast", **options},
             "/v1/sql": lambda i: {"sql": "SELECT doc_id, max(act) AS act FROM activations WHERE proto_id = "
                                          f"{(37 * i) % n_protos} GROUP BY doc_id ORDER BY act DESC LIMIT 10"},
         }
@@ -137,7 +142,7 @@ def main(argv: list[str] | None = None) -> dict:
                     "errors": {"value": sum(r["errors"] for p in results.values() for r in p.values()), "target": 0}},
         "machine": {"cpu_cores": os.cpu_count()},
         "config": {"index": str(index), "requests": args.requests, "concurrency": args.concurrency,
-                   "server": server, "workers": args.workers},
+                   "server": server, "workers": args.workers, "attribute_options": options},
     }
     return finish(res, "service_load.py", argv, args.out)
 
