@@ -82,14 +82,12 @@ def main(argv: list[str] | None = None) -> dict:
             A[n] = tuple(torch.eye(len(m), dtype=torch.float64)[torch.argsort(m, descending=True)[:rmax]]
                          * np.sqrt(rmax) for m in (lam.mean(1), lam.mean(0)))
 
-    def doc_side(n: str, g: torch.Tensor, a: torch.Tensor, r: int | None) -> torch.Tensor:
-        """(B, r, r) sketches of each window's summed gradient (r None: the whitened gradient itself)."""
+    def whitened(n: str, g: torch.Tensor, a: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """A batch's output gradients (B, T, d_out) and inputs (B, T, d_in) of layer ``n`` at its real
+        positions, in the layer's eigenbasis and half-whitened (``D_S^-1/2 Q_S^T g``, ``D_A^-1/2 Q_A^T a``)."""
+        w = mask[..., None].to(torch.float64)
         ds, da = half[n]
-        gw = (g.double() @ ek.qs[n].double()) / ds  # (B, T, d_out)
-        aw = (a.double() @ ek.qa[n].double()) / da  # (B, T, d_in)
-        if r is not None:
-            gw, aw = gw @ A[n][0][:r].T, aw @ A[n][1][:r].T
-        return torch.einsum("bti,btj->bij", gw, aw)
+        return (g.double() * w @ ek.qs[n].double()) / ds, (a.double() * w @ ek.qa[n].double()) / da
 
     def query_side(n: str, G: torch.Tensor, r: int | None, damping: float) -> torch.Tensor:
         qa, qs, lam = ek.qa[n].double(), ek.qs[n].double(), ek.lam[n].double()
@@ -108,11 +106,7 @@ def main(argv: list[str] | None = None) -> dict:
             cap.backward(inf._loss(model, x, y, mask))
             d = torch.from_numpy(of_seq[at])
             for n in layers:
-                w = mask[..., None].to(cap.a[n].dtype)
-                g, a = cap.g[n] * w, cap.a[n] * w
-                ds, da = half[n]
-                gw = (g.double() @ ek.qs[n].double()) / ds
-                aw = (a.double() @ ek.qa[n].double()) / da
+                gw, aw = whitened(n, cap.g[n], cap.a[n], mask)
                 sg, sa = gw @ A[n][0].T, aw @ A[n][1].T  # the largest sketch; smaller ones are its leading rows
                 for r in ranks:
                     K[r][n].index_add_(0, d, torch.einsum("bti,btj->bij", sg[..., :r], sa[..., :r]) / r)
@@ -151,8 +145,7 @@ def main(argv: list[str] | None = None) -> dict:
                 full = np.zeros(len(docs))
                 for x, y, mask, at in inf._batches(reader, seqs, 32 * model.cfg.block_size):
                     cap.backward(inf._loss(model, x, y, mask))
-                    w = mask[..., None].float()
-                    v = sum((doc_side(n, cap.g[n] * w, cap.a[n] * w, None)
+                    v = sum((torch.einsum("bti,btj->bij", *whitened(n, cap.g[n], cap.a[n], mask))
                              * query_side(n, G[n], None, inf.DEFAULT_DAMPING)).sum((1, 2)) for n in layers)
                     np.add.at(full, index_in(docs, of[at]), v.numpy())
             scale = float(np.abs(exact_sub[i, docs]).max())

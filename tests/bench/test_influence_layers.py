@@ -12,6 +12,7 @@ import numpy as np
 import prism_tda.engine.influence as inf
 from bench.attribution.influence_layers import subsets_of, tracking_only
 from prism_tda.engine import Attributor, QuerySpec
+from prism_tda.engine.arrays import index_in
 
 
 def test_per_layer_terms_add_up_and_tracking_fewer_layers_gives_their_sum(index, tmp_path):
@@ -31,7 +32,7 @@ def test_per_layer_terms_add_up_and_tracking_fewer_layers_gives_their_sum(index,
     seqs, of = inf.document_sequences(reader, docs)
     rows = inf.sequence_influence(att.model, [{n: P[n]} for n in layers], reader, seqs)
     whole = inf.document_influence(att.model, ek, reader, q.token_ids, q.target_positions, q.target_ids, docs)
-    per_doc = {n: np.bincount(np.searchsorted(docs, of), weights=r, minlength=len(docs)) for n, r in zip(layers, rows, strict=True)}
+    per_doc = {n: np.bincount(index_in(docs, of), weights=r, minlength=len(docs)) for n, r in zip(layers, rows, strict=True)}
     np.testing.assert_allclose(sum(per_doc.values()), whole, rtol=1e-4, atol=1e-6 * np.abs(whole).max())
 
     names = subsets[f"block_{max(int(n.split('.')[1]) for n in layers)}"]
