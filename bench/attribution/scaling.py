@@ -160,8 +160,18 @@ def main(argv: list[str] | None = None) -> dict:
            "rss_growth_mb_largest": {m: by[(largest, m)]["rss_growth_mb"] for m in
                                      ("prism_fast", "prism_exact", "ekfac", "bm25") if (largest, m) in by}}
 
-    import matplotlib
+    try:
+        import matplotlib
+    except ImportError:  # the measurements stand without their figure
+        print("matplotlib is not installed: no plot drawn", flush=True)
+        res["plot"] = None
+    else:
+        res["plot"] = _plot(matplotlib, by, sizes, args.plot)
+    return finish(res, "attribution/scaling.py", argv, args.out)
 
+
+def _plot(matplotlib, by: dict, sizes: list[int], path: str) -> str:
+    """Seconds per query against training sequences, per method, as a log-log figure at ``path``."""
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
@@ -181,10 +191,9 @@ def main(argv: list[str] | None = None) -> dict:
     ax.grid(True, which="both", alpha=0.3)
     ax.legend()
     fig.tight_layout()
-    Path(args.plot).parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(args.plot)
-    res["plot"] = args.plot
-    return finish(res, "attribution/scaling.py", argv, args.out)
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path)
+    return path
 
 
 if __name__ == "__main__":
