@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import dataclasses
 import gzip
 import json
 import shutil
@@ -30,6 +29,7 @@ import torch
 
 from bench._common import finish, index_sequences
 from prism_tda import demo_corpus_path
+from prism_tda.cli.train import merge_overrides
 from prism_tda.engine.tokens import width_batches
 from prism_tda.indexer import IndexConfig
 from prism_tda.indexer.run import build_index
@@ -92,20 +92,15 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--docs", type=int, default=1000, help="documents at 1x")
     ap.add_argument("--scales", default="1,4,16")
     ap.add_argument("--work", default="runs/bench_index")
-    ap.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE",
-                    help="an index setting other than its default, e.g. code_bits=8; repeatable, recorded in "
-                         "the result's config")
+    ap.add_argument("--set", action="append", default=[], metavar="index.NAME=VALUE",
+                    help="an index setting other than its default, as `prism index --set` takes it, e.g. "
+                         "index.code_bits=8; repeatable, recorded in the result's config")
     ap.add_argument("--out", default="bench/results/index.json")
     args = ap.parse_args(argv)
     work = Path(args.work)
     shutil.rmtree(work, ignore_errors=True)
     work.mkdir(parents=True)
-    cfg = IndexConfig()
-    for kv in args.set:
-        k, v = kv.split("=", 1)
-        if k not in {f.name for f in dataclasses.fields(cfg)}:
-            raise SystemExit(f"--set {kv}: IndexConfig has no field {k!r}")
-        cfg = dataclasses.replace(cfg, **{k: type(getattr(cfg, k))(v) if getattr(cfg, k) is not None else int(v)})
+    cfg = IndexConfig.from_dict(merge_overrides({"index": {}}, None, args.set)["index"], where="--set")
     res: dict = {"scaling": []}
     scales = [int(s) for s in args.scales.split(",")]
     for scale in scales:

@@ -48,6 +48,21 @@ def test_index_throughput_runs_on_the_tiny_checkpoint(tiny_ckpt, tmp_path):
     assert res["whole_job_ratio"] < res["shard_stage_ratio_largest"]  # the whole job includes the shard stage
 
 
+def test_index_throughput_takes_index_settings_and_one_scale_not_1x(tiny_ckpt, tmp_path):
+    """``--set index.NAME=VALUE`` builds with that setting (and says so); a run whose only scale is not 1x
+    still times the bare forward; a setting the index does not have is refused."""
+    from bench.index_throughput import main
+    from prism_tda.errors import ConfigError
+
+    res = main(["--checkpoint", str(tiny_ckpt), "--docs", "20", "--scales", "2", "--set", "index.code_bits=8",
+                "--work", str(tmp_path / "w"), "--out", str(tmp_path / "index.json")])
+    assert res["config"]["index"]["code_bits"] == 8 and res["scaling"][0]["documents"] == 40
+    assert res["forward_tokens_per_s"] > 0 and res["throughput_ratio"] > 0
+    with pytest.raises(ConfigError, match="nope"):
+        main(["--checkpoint", str(tiny_ckpt), "--set", "index.nope=1", "--work", str(tmp_path / "x"),
+              "--out", str(tmp_path / "x.json")])
+
+
 def test_rerank_forward_ab_runs_both_arms_on_the_tiny_index(index, tmp_path):
     """bench/rerank_forward_ab.py: both forwards answer each query with the same documents, and the
     engine's switch is put back as it was."""
