@@ -62,6 +62,14 @@ over prompts.
    the first run), its random control (the same prototypes as step 6's), the headline set, and the
    selected set at alpha 0.25 and 0.5; the largest drop each judge can show is ``1 - false-positive rate
    / base rate``. Nothing earlier is changed by it (its random streams are its own).
+11. **Removal with re-routing** (``--reroute``, on by default): the listed prototypes leave every token's
+   active set, which is chosen again without them (the next-nearest prototypes take their place, the
+   residual is kept, so the logits still decompose exactly). Step 6's rule selects a set under it from
+   the same tuning texts; it is evaluated by every protocol above (neutral prompts under both judges,
+   the strict judge's larger draw with the same seeds, the invited prompts), beside a random set of its
+   size removed the same way and step 6's set re-routed. The primary row (this set, neutral prompts,
+   the default judge, and its perplexity ratio) was fixed before the first run. Nothing earlier is
+   changed by it (its random streams are its own).
 
     python -m bench.steering --index runs/demo_idle/index
 
@@ -182,7 +190,7 @@ def cross_validate(texts: list[str], y: np.ndarray, folds: int = 5, seed: int = 
 # ---------------------------------------------------------------------------- model runs
 @torch.no_grad()
 def sample(model, prompt_ids: list[list[int]], samples: int, new_tokens: int, suppress: list[int] | None,
-           seed: int, eos: int, alpha: float = 0.0, project: bool = False) -> list[list[int]]:
+           seed: int, eos: int, alpha: float = 0.0, project: bool = False, reroute: bool = False) -> list[list[int]]:
     """``samples`` continuations of each prompt (temperature 1, top 40), seeded per prompt, so a run with
     and one without suppression draw from the same random stream."""
     sup = torch.tensor(sorted(suppress), dtype=torch.long) if suppress else None
@@ -191,7 +199,7 @@ def sample(model, prompt_ids: list[list[int]], samples: int, new_tokens: int, su
         x = torch.tensor([ids] * samples)
         g = torch.Generator().manual_seed(seed * 100_003 + p)
         y = model.generate(x, new_tokens, temperature=1.0, sample_top_k=40, generator=g, suppress=sup, alpha=alpha,
-                           project=project)
+                           project=project, reroute=reroute)
         for row in y[:, len(ids):].tolist():
             out.append(row[: row.index(eos)] if eos in row else row)
     return out
@@ -199,7 +207,7 @@ def sample(model, prompt_ids: list[list[int]], samples: int, new_tokens: int, su
 
 @torch.no_grad()
 def perplexity(model, docs: list[list[int]], suppress: list[int] | None, batch: int = 16, alpha: float = 0.0,
-               project: bool = False) -> tuple[float, np.ndarray]:
+               project: bool = False, reroute: bool = False) -> tuple[float, np.ndarray]:
     """Perplexity over the documents' windows, and per document its scored tokens and summed loss
     ((n_docs, 2): what :func:`boot_ppl_ratio` resamples)."""
     sup = torch.tensor(sorted(suppress), dtype=torch.long) if suppress else None
@@ -217,7 +225,8 @@ def perplexity(model, docs: list[list[int]], suppress: list[int] | None, batch: 
         for i, (w, _) in enumerate(chunk):
             x[i, : len(w) - 1] = torch.tensor(w[:-1])
             y[i, : len(w) - 1] = torch.tensor(w[1:])
-        logits = model(x, suppress=sup, alpha=alpha, project=project).logits if sup is not None else model(x).logits
+        logits = (model(x, suppress=sup, alpha=alpha, project=project, reroute=reroute).logits if sup is not None
+                  else model(x).logits)
         flat = logits.float().reshape(-1, logits.size(-1))
         nll += float(F.cross_entropy(flat, y.reshape(-1), ignore_index=-1, reduction="sum"))
         n += int((y >= 0).sum())
@@ -341,6 +350,8 @@ def main(argv: list[str] | None = None) -> dict:
                          "control); 0: none")
     ap.add_argument("--elicit-prompts", type=int, default=50,
                     help="step 10: openings of topic documents discovery did not read, as prompts; 0: none")
+    ap.add_argument("--reroute", action=argparse.BooleanOptionalAction, default=True,
+                    help="step 11: removal with re-routing, its own selection and evaluation")
     ap.add_argument("--out", default="bench/results/steering.json")
     ap.add_argument("--plot", default="docs/img/steering.png")
     args = ap.parse_args(argv)
@@ -394,10 +405,10 @@ def main(argv: list[str] | None = None) -> dict:
     other_ids = [tok.encode(docs["text"][i]).ids for i in other]
     n_p, n_s = len(prompt_ids), args.samples
 
-    def measure(suppress: list[int] | None, alpha: float = 0.0, project: bool = False) -> dict:
-        gens = sample(model, prompt_ids, n_s, args.new_tokens, suppress, args.seed, eos, alpha, project)
+    def measure(suppress: list[int] | None, alpha: float = 0.0, project: bool = False, reroute: bool = False) -> dict:
+        gens = sample(model, prompt_ids, n_s, args.new_tokens, suppress, args.seed, eos, alpha, project, reroute)
         p = clf.proba([tok.decode(g) for g in gens])
-        ppl, ppl_docs = perplexity(model, other_ids, suppress, alpha=alpha, project=project)
+        ppl, ppl_docs = perplexity(model, other_ids, suppress, alpha=alpha, project=project, reroute=reroute)
         return {"on": (p > 0.5).astype(float), "p": p, "ppl": ppl, "ppl_docs": ppl_docs,
                 "examples": [tok.decode(g) for g in gens[:3]]}
 
@@ -539,8 +550,8 @@ def main(argv: list[str] | None = None) -> dict:
                                    args.elicit_prompts, np.random.default_rng(args.seed + 5))
         n_e, e_seed = len(openings), args.seed + 31
 
-        def judged(sup: list[int] | None, alpha: float = 0.0) -> np.ndarray:
-            gens = sample(model, openings, n_s, args.new_tokens, sup, e_seed, eos, alpha)
+        def judged(sup: list[int] | None, alpha: float = 0.0, reroute: bool = False) -> np.ndarray:
+            gens = sample(model, openings, n_s, args.new_tokens, sup, e_seed, eos, alpha, reroute=reroute)
             return clf.proba([tok.decode(g) for g in gens])
 
         e_p = {"base": judged(None), "selected": judged(selected), "selected_control_random": judged(sel_ctrl_ids),
@@ -558,6 +569,53 @@ def main(argv: list[str] | None = None) -> dict:
                 "largest_drop_at_floor": round(1 - fp_j / max(float(on["base"].mean()), 1e-9), 4),
                 **{k: rate_row(v, on["base"], n_e, n_s) for k, v in on.items() if k != "base"}}
         print("elicited", {j: elicit[j] for j in ("default_judge", "strict_judge")}, flush=True)
+    # 11. removal with re-routing: the set chosen again by the same rule with each token's active set re-chosen
+    # without it, evaluated by every protocol above (the primary row fixed before the first run: this set,
+    # neutral prompts, the default judge, and its perplexity ratio)
+    reroute = None
+    if args.reroute:
+        t_rr = time.perf_counter()
+        rr_steps = select_by_effect(model, eff_texts, ranked[:50], budget=budget, max_ppl_ratio=1.02, reroute=True,
+                                    progress=True)
+        rr_sel = [st.proto_id for st in rr_steps]
+        rr_s = time.perf_counter() - t_rr
+        rr_ctrl_ids = sorted(np.random.default_rng(args.seed + 11).choice(pool, len(rr_sel), replace=False).tolist())
+        arms = {"selected_rerouted": (rr_sel, True), "selected_rerouted_control_random": (rr_ctrl_ids, True)}
+        if selected:
+            arms["step6_selected_rerouted"] = (selected, True)
+        rr_m = {name: measure(ids_, reroute=rr) for name, (ids_, rr) in arms.items() if ids_}
+        reroute = {
+            "rule": ("removal with re-routing (PRISM.forward(reroute=True)): each token's active set chosen again "
+                     "without the set, the residual kept; the set selected by step 6's rule under it (discovery's "
+                     "top 50, tuning generations, contrast perplexity within 2%, at most 2% of the bank); primary "
+                     "row: this set, neutral prompts, default judge, fixed before the first run"),
+            "steps": [{"proto_id": st.proto_id, "effect": round(st.effect, 5),
+                       "topic_loss_increase": round(st.topic_loss_increase, 5),
+                       "other_loss_increase": round(st.other_loss_increase, 5),
+                       "contrast_ppl_ratio": round(st.contrast_ppl_ratio, 5)} for st in rr_steps],
+            "prototypes": rr_sel, "share_of_bank": round(len(rr_sel) / K, 4), "seconds": round(rr_s, 1),
+            "control_prototypes": rr_ctrl_ids,
+            "default_judge": {k: row(m) for k, m in rr_m.items()},
+            "strict_judge": {k: strict_row(m) for k, m in rr_m.items()},
+        }
+        if args.strict_samples and rr_sel and "larger_draw" in strict:
+            big_rr = {}
+            for name in ("selected_rerouted", "selected_rerouted_control_random"):
+                gens = sample(model, prompt_ids, args.strict_samples, args.new_tokens, arms[name][0], args.seed + 104_729,
+                              eos, reroute=True)
+                big_rr[name] = (clf.proba([tok.decode(g) for g in gens]) > thr).astype(float)
+                print("strict draw", name, float(big_rr[name].mean()), flush=True)
+            reroute["strict_larger_draw"] = {k: rate_row(v, big["base"], n_p, args.strict_samples)
+                                             for k, v in big_rr.items()}
+        if elicit is not None and rr_sel:
+            e_rr = {"selected_rerouted": judged(rr_sel, reroute=True),
+                    "selected_rerouted_control_random": judged(rr_ctrl_ids, reroute=True)}
+            reroute["elicited_prompts"] = {
+                judge: {k: rate_row((v > t_j).astype(float), (e_p["base"] > t_j).astype(float), n_e, n_s)
+                        for k, v in e_rr.items()}
+                for judge, t_j in (("default_judge", 0.5), ("strict_judge", thr))}
+        print("reroute", rr_sel, {k: (v["topic_rate_drop"], v["other_ppl_ratio"])
+                                  for k, v in reroute["default_judge"].items()}, flush=True)
     print("strict judge", {k: v for k, v in strict.items() if k != "rule"}, flush=True)
     print("floor", floor, "whole bank", whole["topic_rate"], whole["other_ppl_ratio"], flush=True)
     for name in sets:
@@ -601,6 +659,7 @@ def main(argv: list[str] | None = None) -> dict:
             "heldout": sel_eval, "control_random": sel_ctrl},
         "alpha_curve": alpha_curve, "projection": projection,
         "classifier_floor": floor, "whole_bank_suppressed": whole, "strict_judge": strict, "elicited_prompts": elicit,
+        "reroute": reroute,
         "curve": curve, "examples": {"base": base["examples"], **{f"suppressed_{k}": v for k, v in examples.items()}},
         "seconds": round(time.perf_counter() - t0, 1),
     }

@@ -347,14 +347,16 @@ class EffectTexts:
         return cls(torch.cat(zs), torch.cat(ys), torch.cat(gs), torch.cat(ps), torch.cat(acts))
 
     @torch.no_grad()
-    def nll(self, model: PRISM, ids: list[int], alpha: float = 0.0, chunk: int = 4096) -> torch.Tensor:
-        """(3,) mean next-token loss per group with prototypes ``ids`` scaled by ``alpha`` (nan: empty group)."""
+    def nll(self, model: PRISM, ids: list[int], alpha: float = 0.0, chunk: int = 4096, reroute: bool = False
+            ) -> torch.Tensor:
+        """(3,) mean next-token loss per group with prototypes ``ids`` scaled by ``alpha`` (or removed with
+        re-routing, ``reroute``; nan: empty group)."""
         W = model.W.float()
         total = torch.zeros(3, dtype=torch.float64)
         for b in range(0, len(self.y), chunk):
             z = self.z[b : b + chunk]
             if ids:
-                z = model.steered_hidden(z[None], torch.tensor(ids), alpha)[0].float()
+                z = model.steered_hidden(z[None], torch.tensor(ids), alpha, reroute=reroute)[0].float()
             loss = torch.nn.functional.cross_entropy(z @ W.T, self.y[b : b + chunk], reduction="none")
             total.index_add_(0, self.group[b : b + chunk], loss.double())
         n = torch.bincount(self.group, minlength=3).double()
@@ -373,7 +375,7 @@ class EffectStep:
 
 
 def select_by_effect(model: PRISM, texts: EffectTexts, candidates: list[int], *, budget: int,
-                     max_ppl_ratio: float = 1.02, alpha: float = 0.0, progress: bool = False,
+                     max_ppl_ratio: float = 1.02, alpha: float = 0.0, reroute: bool = False, progress: bool = False,
                      stop: threading.Event | None = None,
                      on_progress: Callable[[int, int], None] | None = None) -> list[EffectStep]:
     """Greedy forward selection of at most ``budget`` prototypes from ``candidates`` by their measured
@@ -381,6 +383,8 @@ def select_by_effect(model: PRISM, texts: EffectTexts, candidates: list[int], *,
     relative to the other text's (group 1; the contrast's when group 1 is empty), among those that keep
     the contrast's perplexity within ``max_ppl_ratio`` of the unscaled model's; it stops at the budget or
     when no candidate raises the effect further (so a set is never chosen whose effect is not positive).
+    ``reroute`` (``alpha`` 0): the set is removed with re-routing (:meth:`PRISM.steered_hidden`): a
+    candidate's tokens are encoded again without the set and it, the next-nearest prototypes taking their place.
     ``stop``: checked before each candidate (``Cancelled``). ``on_progress(done, total)``: called after each
     candidate evaluated, ``total`` being the most evaluations the selection can take (it jumps to ``total``
     when the selection stops early)."""
@@ -388,6 +392,8 @@ def select_by_effect(model: PRISM, texts: EffectTexts, candidates: list[int], *,
     # and a member changes only the tokens where it is active. So each step keeps every token's current
     # hidden state and loss, and a candidate costs one unembedding of its own tokens, not of all of them.
     assert model.head is not None
+    if reroute and alpha != 0.0:
+        raise QueryError("reroute: removes the set; alpha must be 0")
     W, P = model.W.float(), model.head.prototypes.float()
 
     def losses(z: torch.Tensor, y: torch.Tensor, chunk: int = 4096) -> torch.Tensor:
@@ -408,11 +414,24 @@ def select_by_effect(model: PRISM, texts: EffectTexts, candidates: list[int], *,
         chosen: list[int] = []
         steps: list[EffectStep] = []
         pool = list(dict.fromkeys(int(c) for c in candidates))
-        where = {}
-        for c in pool:
-            hit = texts.proto_idx == c
+        cur_idx = texts.proto_idx.clone()  # each token's active set in the current state
+        residual = texts.z.float() - model.head(texts.z.float()).zhat if reroute else None
+
+        def where(c: int) -> tuple[torch.Tensor, torch.Tensor]:
+            """The tokens where ``c`` is active now, and its activation there."""
+            hit = cur_idx == c
             rows = hit.any(1).nonzero().flatten()
-            where[c] = (rows, (texts.acts * hit).sum(1)[rows])
+            return rows, (texts.acts * hit).sum(1)[rows]
+
+        def changed(c: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+            """The rows that removing ``c`` (on top of the chosen set) changes, their new hidden states and,
+            re-routed, their new active sets."""
+            rows, a = where(c)
+            if not reroute:
+                return rows, z_cur[rows] + (alpha - 1.0) * a[:, None] * P[c], None
+            assert residual is not None and model.head is not None
+            h = model.head(texts.z[rows].float(), exclude=torch.tensor(chosen + [c], dtype=torch.long))
+            return rows, residual[rows] + h.zhat, h.proto_idx
         total = sum(len(pool) - k for k in range(min(budget, len(pool))))  # evaluations if no early stop
         done = 0
         bar = None
@@ -421,13 +440,13 @@ def select_by_effect(model: PRISM, texts: EffectTexts, candidates: list[int], *,
 
             bar = tqdm(total=total, desc="select by effect", unit="set")
         for _ in range(budget):
-            best: tuple[EffectStep, torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+            best: tuple[EffectStep, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
+                        torch.Tensor | None] | None = None
             for c in pool:
                 if c in chosen:
                     continue
                 check_stop(stop, "selection by effect")
-                rows, a = where[c]
-                z_new = z_cur[rows] + (alpha - 1.0) * a[:, None] * P[c]
+                rows, z_new, idx_new = changed(c)
                 loss_new = losses(z_new, texts.y[rows])
                 g = texts.group[rows]
                 new_sums = sums - group_sums(g, loss_cur[rows]) + group_sums(g, loss_new)
@@ -440,12 +459,13 @@ def select_by_effect(model: PRISM, texts: EffectTexts, candidates: list[int], *,
                 if on_progress is not None:
                     on_progress(done, total)
                 if ratio <= max_ppl_ratio and (best is None or step.effect > best[0].effect):
-                    best = (step, z_new, loss_new, new_sums)
+                    best = (step, rows, z_new, loss_new, new_sums, idx_new)
             if best is None or best[0].effect <= (steps[-1].effect if steps else 0.0):
                 break
-            step, z_new, loss_new, sums = best
-            rows = where[step.proto_id][0]
+            step, rows, z_new, loss_new, sums, idx_new = best
             z_cur[rows], loss_cur[rows] = z_new, loss_new
+            if idx_new is not None:
+                cur_idx[rows] = idx_new
             chosen.append(step.proto_id)
             steps.append(step)
         if bar is not None:

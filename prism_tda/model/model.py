@@ -111,21 +111,29 @@ class PrototypeHead(nn.Module):
             pn = F.normalize(self.prototypes.detach().float(), dim=-1)
             return zn @ pn.T  # (N, d) @ (d, K) -> (N, K)
 
-    def forward(self, z: torch.Tensor, *, with_losses: bool = False) -> HeadOutput:
+    def forward(self, z: torch.Tensor, *, with_losses: bool = False, exclude: torch.Tensor | None = None) -> HeadOutput:
         """Encode z (N, d). With ``with_losses`` also return L_REC, L_R1, L_R2 and R1bar/R2.
+        ``exclude`` (inference only): prototype ids never chosen, so each token's active set is its
+        ``k`` nearest among the others (re-routed suppression, :meth:`PRISM.steered_hidden`).
 
         The head always runs in fp32 (autocast off), so the active sets do not depend on the
         backbone's precision.
         """
+        if exclude is not None and with_losses:
+            raise ValueError("exclude is for inference, not with losses")
         with torch.autocast(z.device.type, enabled=False):
-            return self._forward(z.float(), with_losses)
+            return self._forward(z.float(), with_losses, exclude)
 
-    def _forward(self, z: torch.Tensor, with_losses: bool) -> HeadOutput:
+    def _forward(self, z: torch.Tensor, with_losses: bool, exclude: torch.Tensor | None = None) -> HeadOutput:
         P = self.prototypes.float()
         zn = F.normalize(z, dim=-1)  # (N, d)
         pn = F.normalize(P, dim=-1)  # (K, d)
         with torch.no_grad():
             sim = zn.detach() @ pn.detach().T  # (N, K) cosines, no autograd
+            if exclude is not None and len(exclude):
+                if self.n_prototypes - len(exclude.unique()) < self.k:
+                    raise ValueError(f"exclude: at least {self.k} prototypes must stay, the number active per token")
+                sim = sim.index_fill(1, exclude.to(sim.device), -2.0)  # below every cosine: never in the top k
             top_s, top_i = sim.topk(self.k, dim=-1)  # (N, k)
 
         # The selected cosines get gradients through sparse products: O(N k d), no (N, K) tensor.
@@ -287,6 +295,7 @@ class PRISM(nn.Module):
         suppress: torch.Tensor | None = None,
         alpha: torch.Tensor | float = 0.0,
         project: bool = False,
+        reroute: bool = False,
     ) -> ModelOutput:
         """Logits and, given targets (B, T), the training loss ``L_CE + sum lam * L_aux``.
 
@@ -296,14 +305,17 @@ class PRISM(nn.Module):
         boosts them. The active sets and the residual ``r_t`` stay those of the unscaled model, unless
         ``project``: then the residual's component in the span of the listed prototypes is scaled by the
         same (single) alpha, ``r_t + (alpha - 1) Pi_S r_t``, so the listed directions leave the residual too
-        (the logits stay ``W r'_t + sum_i a'_{t,i} W p_i``: the decomposition holds with ``r'``).
+        (the logits stay ``W r'_t + sum_i a'_{t,i} W p_i``: the decomposition holds with ``r'``). With
+        ``reroute`` (``alpha`` 0 only) the listed prototypes are removed and each token's active set is
+        chosen again without them, so the next-nearest prototypes take their place; the residual ``r_t``
+        is kept, so the logits stay ``W r_t + sum_{i in K'_t} a'_{t,i} W p_i``.
         """
         z = self.hidden(idx)  # (B, T, d)
         if suppress is not None:
             if targets is not None or self.head is None:
                 raise ValueError("suppress is for inference with a PRISM head (no targets)")
             zs = z[:, -1:] if last_only else z
-            return ModelOutput(logits=F.linear(self.steered_hidden(zs, suppress, alpha, project), self.W), z=z)
+            return ModelOutput(logits=F.linear(self.steered_hidden(zs, suppress, alpha, project, reroute), self.W), z=z)
         if last_only and targets is None:
             return ModelOutput(logits=F.linear(z[:, -1:], self.W), z=z)
         logits = F.linear(z, self.W)  # (B, T, V) == W r + sum a W p
@@ -365,13 +377,22 @@ class PRISM(nn.Module):
 
     @torch.no_grad()
     def steered_hidden(self, z: torch.Tensor, suppress: torch.Tensor, alpha: torch.Tensor | float = 0.0,
-                    project: bool = False) -> torch.Tensor:
+                    project: bool = False, reroute: bool = False) -> torch.Tensor:
         """z (B, T, d) with the listed prototypes' part of its reconstruction scaled by ``alpha`` (and with
-        ``project``, the residual's part in their span)."""
+        ``project``, the residual's part in their span); with ``reroute``, the reconstruction chosen again
+        without them (``alpha`` must be 0)."""
         assert self.head is not None
         flat = z.reshape(-1, z.shape[-1])  # (N, d)
         h = self.head(flat)
         scale = self.prototype_scale(suppress, alpha).to(flat.device)
+        if reroute:
+            ids = torch.as_tensor(suppress, dtype=torch.long).reshape(-1).unique()
+            if project:
+                raise ValueError("reroute and project: choose one")
+            if bool((scale[ids.to(scale.device)] != 0).any()):
+                raise ValueError("reroute: removes the listed prototypes; alpha must be 0 for every one")
+            h2 = self.head(flat, exclude=ids)
+            return (flat.float() - h.zhat.float() + h2.zhat.float()).to(z.dtype).view_as(z)
         factor = scale[h.proto_idx] - 1.0  # (N, k): alpha_i - 1 on listed prototypes, 0 elsewhere
         P_sel = F.embedding(h.proto_idx, self.head.prototypes.float())  # (N, k, d)
         change = torch.einsum("nk,nkd->nd", h.acts * factor, P_sel)  # sum over listed (alpha_i - 1) a_i p_i
@@ -431,6 +452,7 @@ class PRISM(nn.Module):
         suppress: torch.Tensor | None = None,
         alpha: torch.Tensor | float = 0.0,
         project: bool = False,
+        reroute: bool = False,
     ) -> torch.Tensor:
         """Greedy (temperature 0) or sampled continuation of idx (1, T); returns (1, T + n).
 
@@ -440,7 +462,7 @@ class PRISM(nn.Module):
         for _ in range(max_new_tokens):
             ctx = idx[:, -self.cfg.block_size :]
             logits = self(ctx, last_only=True, suppress=suppress, alpha=alpha,
-                          project=project).logits[:, -1, :].float()  # (1, V)
+                          project=project, reroute=reroute).logits[:, -1, :].float()  # (1, V)
             if temperature <= 0:
                 nxt = logits.argmax(-1, keepdim=True)
             else:

@@ -181,6 +181,18 @@ def test_selection_by_effect_is_greedy_on_the_measured_losses(tiny_ckpt):
     assert steps[-1].contrast_ppl_ratio == pytest.approx(math.exp(d[2]), abs=1e-6)
     with pytest.raises(QueryError):
         EffectTexts.of(model, ([], [], enc(["Never trust a man."])))
+    # re-routed: the same greedy rule, its bookkeeping (each token encoded again without the set) equal to a
+    # fresh pass of the model's re-routed removal
+    rr = select_by_effect(model, texts, cands, budget=3, max_ppl_ratio=1.05, reroute=True)
+    single_rr = {c: (texts.nll(model, [c], reroute=True) - base).tolist() for c in cands}
+    allowed_rr = {c: d[0] - d[1] for c, d in single_rr.items() if math.exp(d[2]) <= 1.05}
+    assert rr and rr[0].proto_id == max(allowed_rr, key=allowed_rr.get)
+    d = (texts.nll(model, [st.proto_id for st in rr], reroute=True) - base).tolist()
+    assert rr[-1].effect == pytest.approx(d[0] - d[1], abs=1e-5)
+    assert rr[-1].contrast_ppl_ratio == pytest.approx(math.exp(d[2]), abs=1e-6)
+    assert len(rr) >= 2 and single_rr != single  # several steps; re-routing is not the plain removal
+    with pytest.raises(QueryError, match="alpha must be 0"):
+        select_by_effect(model, texts, cands, budget=2, alpha=0.5, reroute=True)
 
 
 def test_labels_name_what_the_top_contexts_share(tiny_ckpt, index):

@@ -83,3 +83,42 @@ def test_projection_also_scales_the_residual_along_the_listed_prototypes():
             assert torch.allclose(got, plain + (a - 1.0) * in_span @ model.W.T, atol=1e-4)
         with pytest.raises(ValueError, match="one alpha"):
             model(x[None], suppress=ids, alpha=torch.tensor([0.0, 0.5, 0.5]), project=True)
+
+
+def test_rerouting_chooses_each_token_s_active_set_again_without_the_listed_prototypes():
+    """Re-routed removal: no listed prototype is active, each token's new set is its k nearest among the
+    others (checked against a brute-force ranking of every prototype), the residual is the unsteered
+    model's, and tokens whose set held no listed prototype keep their logits exactly."""
+    torch.manual_seed(0)
+    model = PRISM(tiny_model_cfg()).eval()
+    x = torch.randint(0, 400, (24,))
+    with torch.no_grad():
+        z = model.hidden(x[None])[0]
+        h = model.head(z)
+        counts = torch.bincount(h.proto_idx.reshape(-1), minlength=32)
+        ids = counts.topk(3).indices
+        got = model(x[None], suppress=ids, reroute=True).logits[0]
+        h2 = model.head(z, exclude=ids)
+        sim = torch.nn.functional.normalize(z, dim=-1) @ torch.nn.functional.normalize(model.head.prototypes, dim=-1).T
+        sim[:, ids] = -float("inf")
+        want_idx = sim.topk(model.head.k, dim=-1).indices
+        r = z - h.zhat
+        expected = (r + h2.zhat) @ model.W.T
+    assert not torch.isin(h2.proto_idx, ids).any()
+    assert torch.equal(h2.proto_idx.sort(-1).values, want_idx.sort(-1).values)
+    assert torch.allclose(got, expected, atol=1e-5)
+    untouched = ~torch.isin(h.proto_idx, ids).any(-1)
+    assert untouched.any() and (~untouched).any()
+    assert torch.allclose(got[untouched], model(x[None]).logits[0][untouched], atol=1e-5)
+    # the decomposition stays exact: W r plus the new active prototypes' contributions
+    contrib = (h2.acts[..., None] * model.head.prototypes[h2.proto_idx]).sum(1) @ model.W.T
+    assert torch.allclose(got, r @ model.W.T + contrib, atol=1e-4)
+    with torch.no_grad():  # generation takes it too
+        g = model.generate(x[None, :8], 5, suppress=ids, reroute=True)
+    assert g.shape == (1, 13)
+    with pytest.raises(ValueError, match="alpha must be 0"):
+        model(x[None], suppress=ids, alpha=0.5, reroute=True)
+    with pytest.raises(ValueError, match="choose one"):
+        model(x[None], suppress=ids, reroute=True, project=True)
+    with pytest.raises(ValueError, match="must stay"):
+        model(x[None], suppress=torch.arange(32 - model.head.k + 1), reroute=True)
