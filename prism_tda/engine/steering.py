@@ -417,11 +417,19 @@ def select_by_effect(model: PRISM, texts: EffectTexts, candidates: list[int], *,
         cur_idx = texts.proto_idx.clone()  # each token's active set in the current state
         residual = texts.z.float() - model.head(texts.z.float()).zhat if reroute else None
 
+        cached: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+
         def where(c: int) -> tuple[torch.Tensor, torch.Tensor]:
-            """The tokens where ``c`` is active now, and its activation there."""
+            """The tokens where ``c`` is active now, and (scaled, where the active sets never change, so the
+            answer is kept) its activation there."""
+            if c in cached:
+                return cached[c]
             hit = cur_idx == c
             rows = hit.any(1).nonzero().flatten()
-            return rows, (texts.acts * hit).sum(1)[rows]
+            out = rows, (texts.acts * hit).sum(1)[rows]
+            if not reroute:
+                cached[c] = out
+            return out
 
         def changed(c: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
             """The rows that removing ``c`` (on top of the chosen set) changes, their new hidden states and,
@@ -429,7 +437,7 @@ def select_by_effect(model: PRISM, texts: EffectTexts, candidates: list[int], *,
             rows, a = where(c)
             if not reroute:
                 return rows, z_cur[rows] + (alpha - 1.0) * a[:, None] * P[c], None
-            assert residual is not None and model.head is not None
+            assert residual is not None and model.head is not None  # re-encoded from z: ``a`` is not used
             h = model.head(texts.z[rows].float(), exclude=torch.tensor(chosen + [c], dtype=torch.long))
             return rows, residual[rows] + h.zhat, h.proto_idx
         total = sum(len(pool) - k for k in range(min(budget, len(pool))))  # evaluations if no early stop

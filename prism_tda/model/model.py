@@ -131,6 +131,8 @@ class PrototypeHead(nn.Module):
         with torch.no_grad():
             sim = zn.detach() @ pn.detach().T  # (N, K) cosines, no autograd
             if exclude is not None and len(exclude):
+                if not (0 <= int(exclude.min()) and int(exclude.max()) < self.n_prototypes):
+                    raise ValueError(f"exclude: prototype ids must be in [0, {self.n_prototypes})")
                 if self.n_prototypes - len(exclude.unique()) < self.k:
                     raise ValueError(f"exclude: at least {self.k} prototypes must stay, the number active per token")
                 sim = sim.index_fill(1, exclude.to(sim.device), -2.0)  # below every cosine: never in the top k

@@ -187,9 +187,20 @@ def test_selection_by_effect_is_greedy_on_the_measured_losses(tiny_ckpt):
     single_rr = {c: (texts.nll(model, [c], reroute=True) - base).tolist() for c in cands}
     allowed_rr = {c: d[0] - d[1] for c, d in single_rr.items() if math.exp(d[2]) <= 1.05}
     assert rr and rr[0].proto_id == max(allowed_rr, key=allowed_rr.get)
-    d = (texts.nll(model, [st.proto_id for st in rr], reroute=True) - base).tolist()
-    assert rr[-1].effect == pytest.approx(d[0] - d[1], abs=1e-5)
-    assert rr[-1].contrast_ppl_ratio == pytest.approx(math.exp(d[2]), abs=1e-6)
+    # every step's set as a fresh pass measures it, over the whole bank, where a prototype removal makes
+    # active on other tokens is chosen later (so the active sets the bookkeeping tracks must follow)
+    K = model.cfg.n_prototypes
+    deep = select_by_effect(model, texts, list(range(K)), budget=8, max_ppl_ratio=1.5, reroute=True)
+    ids = [st.proto_id for st in deep]
+    rerouted_in = False
+    for i, st in enumerate(deep):
+        d = (texts.nll(model, ids[: i + 1], reroute=True) - base).tolist()
+        assert st.effect == pytest.approx(d[0] - d[1], abs=1e-5)
+        assert st.contrast_ppl_ratio == pytest.approx(math.exp(d[2]), abs=1e-6)
+        if i:
+            now = model.head(texts.z.float(), exclude=torch.tensor(ids[:i])).proto_idx
+            rerouted_in |= bool(((now == st.proto_id).any(1) & ~(texts.proto_idx == st.proto_id).any(1)).any())
+    assert len(deep) >= 3 and rerouted_in
     assert len(rr) >= 2 and single_rr != single  # several steps; re-routing is not the plain removal
     with pytest.raises(QueryError, match="alpha must be 0"):
         select_by_effect(model, texts, cands, budget=2, alpha=0.5, reroute=True)

@@ -120,5 +120,7 @@ def test_rerouting_chooses_each_token_s_active_set_again_without_the_listed_prot
         model(x[None], suppress=ids, alpha=0.5, reroute=True)
     with pytest.raises(ValueError, match="choose one"):
         model(x[None], suppress=ids, reroute=True, project=True)
+    with pytest.raises(ValueError, match=r"\[0, 32\)"):
+        model.head(z, exclude=torch.tensor([32]))
     with pytest.raises(ValueError, match="must stay"):
         model(x[None], suppress=torch.arange(32 - model.head.k + 1), reroute=True)
