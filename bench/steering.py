@@ -580,10 +580,10 @@ def main(argv: list[str] | None = None) -> dict:
         rr_sel = [st.proto_id for st in rr_steps]
         rr_s = time.perf_counter() - t_rr
         rr_ctrl_ids = sorted(np.random.default_rng(args.seed + 11).choice(pool, len(rr_sel), replace=False).tolist())
-        arms = {"selected_rerouted": (rr_sel, True), "selected_rerouted_control_random": (rr_ctrl_ids, True)}
+        arms = {"selected_rerouted": rr_sel, "selected_rerouted_control_random": rr_ctrl_ids}
         if selected:
-            arms["step6_selected_rerouted"] = (selected, True)
-        rr_m = {name: measure(ids_, reroute=rr) for name, (ids_, rr) in arms.items() if ids_}
+            arms["step6_selected_rerouted"] = selected
+        rr_m = {name: measure(ids_, reroute=True) for name, ids_ in arms.items() if ids_}
         reroute = {
             "rule": ("removal with re-routing (PRISM.forward(reroute=True)): each token's active set chosen again "
                      "without the set, the residual kept; the set selected by step 6's rule under it (discovery's "
@@ -601,7 +601,7 @@ def main(argv: list[str] | None = None) -> dict:
         if args.strict_samples and rr_sel and "larger_draw" in strict:
             big_rr = {}
             for name in ("selected_rerouted", "selected_rerouted_control_random"):
-                gens = sample(model, prompt_ids, args.strict_samples, args.new_tokens, arms[name][0], args.seed + 104_729,
+                gens = sample(model, prompt_ids, args.strict_samples, args.new_tokens, arms[name], args.seed + 104_729,
                               eos, reroute=True)
                 big_rr[name] = (clf.proba([tok.decode(g) for g in gens]) > thr).astype(float)
                 print("strict draw", name, float(big_rr[name].mean()), flush=True)

@@ -414,32 +414,27 @@ def select_by_effect(model: PRISM, texts: EffectTexts, candidates: list[int], *,
         chosen: list[int] = []
         steps: list[EffectStep] = []
         pool = list(dict.fromkeys(int(c) for c in candidates))
-        cur_idx = texts.proto_idx.clone()  # each token's active set in the current state
-        residual = texts.z.float() - model.head(texts.z.float()).zhat if reroute else None
-
-        cached: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
-
-        def where(c: int) -> tuple[torch.Tensor, torch.Tensor]:
-            """The tokens where ``c`` is active now, and (scaled, where the active sets never change, so the
-            answer is kept) its activation there."""
-            if c in cached:
-                return cached[c]
-            hit = cur_idx == c
-            rows = hit.any(1).nonzero().flatten()
-            out = rows, (texts.acts * hit).sum(1)[rows]
-            if not reroute:
-                cached[c] = out
-            return out
+        if reroute:  # each token's active set in the current state, and the unsteered residual it keeps
+            cur_idx = texts.proto_idx.clone()
+            residual = texts.z.float() - model.head(texts.z.float()).zhat
+        else:  # the active sets never change: each candidate's tokens and its activation there, once
+            where = {}
+            for c in pool:
+                hit = texts.proto_idx == c
+                rows = hit.any(1).nonzero().flatten()
+                where[c] = (rows, (texts.acts * hit).sum(1)[rows])
 
         def changed(c: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
             """The rows that removing ``c`` (on top of the chosen set) changes, their new hidden states and,
-            re-routed, their new active sets."""
-            rows, a = where(c)
+            re-routed, their new active sets (encoded again from ``z`` without the set and ``c``)."""
             if not reroute:
+                rows, a = where[c]
                 return rows, z_cur[rows] + (alpha - 1.0) * a[:, None] * P[c], None
-            assert residual is not None and model.head is not None  # re-encoded from z: ``a`` is not used
+            assert model.head is not None
+            rows = (cur_idx == c).any(1).nonzero().flatten()
             h = model.head(texts.z[rows].float(), exclude=torch.tensor(chosen + [c], dtype=torch.long))
             return rows, residual[rows] + h.zhat, h.proto_idx
+
         total = sum(len(pool) - k for k in range(min(budget, len(pool))))  # evaluations if no early stop
         done = 0
         bar = None
