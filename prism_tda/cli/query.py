@@ -92,7 +92,11 @@ def print_attribution(index_dir: str | Path, spec: Any, options: Any, as_json: b
               "document's influence) pushes the other way (keep them: --keep-opposed)")
     if res.tied_beyond_last:
         scope = "" if res.mode == "exact" else " (at least: among the documents re-ranked)"
-        print(f"     {res.tied_beyond_last} more documents score within 0.1% of the last one{scope}")
+        how = ("; of the tied ones, those whose tokens' cosines sum highest are shown" if options.tie_break == "cosine_sum"
+               else "")
+        same = (f" ({res.unsettled_beyond_last} of them not separated by that either)"
+                if res.unsettled_beyond_last else "")
+        print(f"     {res.tied_beyond_last} more documents score within 0.1% of the n-th best{scope}{how}{same}")
     return 0
 
 

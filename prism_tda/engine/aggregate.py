@@ -25,6 +25,42 @@ from .types import Aggregation
 NEAR_TIE = 1e-3  # scores within 0.1% of each other are reported as tied
 
 
+def near(a: np.ndarray | float, b: float) -> np.ndarray:
+    """Whether ``a`` lies within :data:`NEAR_TIE` (relative to ``b``) of ``b``."""
+    return np.abs(np.asarray(a, np.float64) - b) <= NEAR_TIE * abs(b)
+
+
+@dataclass(frozen=True)
+class Settled:
+    """:func:`settle_near_ties`'s answer: ``order`` (positions, best first, at most ``n``), ``tied_beyond``
+    (documents left out whose score is within :data:`NEAR_TIE` of the ``n``-th best) and, of those,
+    ``unsettled`` (their second measure too is within it of the lowest taken from the near-tie)."""
+
+    order: np.ndarray
+    tied_beyond: int
+    unsettled: int
+
+
+def settle_near_ties(score: np.ndarray, second: np.ndarray, n: int, sign: float = 1.0) -> Settled:
+    """The ``n`` documents an answer returns when the score cannot separate them at the cut: of a list
+    ranked best first by ``sign * score``, those scoring more than :data:`NEAR_TIE` above the ``n``-th
+    best keep their places, and the rest of the ``n`` come from the documents within it of the
+    ``n``-th best (the near-tie), by ``sign * second`` (ties of both: the score's order), kept in the
+    score's order. The list must hold every document of that near-tie (``DocumentTotals.tied_beyond``
+    counts those after the ``n``-th)."""
+    s, v = sign * np.asarray(score, np.float64), sign * np.asarray(second, np.float64)
+    if len(s) <= n or n < 1:
+        return Settled(np.arange(min(len(s), max(n, 0))), 0, 0)
+    last = float(s[n - 1])
+    band = np.flatnonzero(near(s, last))
+    above = np.flatnonzero(s > last + NEAR_TIE * abs(last))
+    room = n - len(above)
+    by_second = band[np.argsort(-v[band], kind="stable")]
+    taken, left = by_second[:room], by_second[room:]
+    floor = float(v[taken[-1]])
+    return Settled(np.concatenate([above, np.sort(taken)]), len(left), int(near(v[left], floor).sum()))
+
+
 def best_of_groups(groups: np.ndarray, value: np.ndarray, tie: np.ndarray | None = None) -> np.ndarray:
     """Positions of each group's element with the highest ``value`` (among equals, the highest
     ``tie``), one per group, groups ascending."""

@@ -32,6 +32,7 @@ from prism_tda.errors import PrismError, QueryError, check_stop
 from prism_tda.model import checkpoint as ckpt
 
 from . import layout, scoring
+from .aggregate import NEAR_TIE, settle_near_ties
 from .arrays import index_in, unique
 from .candidates import FirstStages, posting_plan
 from .exact import exhaustive, measure_rate
@@ -51,8 +52,10 @@ from .scoring import (
     exact_scores,
     not_removed,
     prefix_copies,
+    rank_documents,
     rank_documents_with_ties,
     reach,
+    token_docs,
     trained_only,
     unit_keys,
 )
@@ -207,6 +210,7 @@ class Attributor:
             return exact_scores(self.model, self.reader, q.G, pre, seqs, tokens=toks, match=match)
 
         n_units, sign = len(units), -1.0 if opt.opponents else 1.0
+        band = NEAR_TIE if opt.tie_break == "cosine_sum" else 0.0  # a near-tie at the cut is settled: find all of it
         open_rows = [np.ones(len(r), dtype=bool) for r in more]  # rows elsewhere not re-scored yet
 
         def refine(bar: float) -> TokenScores | None:
@@ -236,7 +240,7 @@ class Attributor:
         parts = [rescore(done)]
         while True:
             bar = reach(self.reader, concat_scores(parts, self.reader.k), short, done, opt.aggregation, sign,
-                        opt.n_documents) if opt.adaptive_rerank else -np.inf
+                        opt.n_documents, band) if opt.adaptive_rerank else -np.inf
             rest = np.setdiff1d(np.arange(n_units), done)
             rest = rest[sign * short.score[rest] >= bar]
             if len(rest):
@@ -254,6 +258,9 @@ class Attributor:
                                   opt.n_documents)
         ranked, ties = rank_documents_with_ties(self.reader, exact, opt.aggregation, opponents=opt.opponents,
                                                 n=opt.n_documents)
+        if opt.tie_break == "cosine_sum" and ties:  # and the rest of the near-tie at the cut, for it to settle
+            ranked = rank_documents(self.reader, exact, opt.aggregation, opponents=opt.opponents,
+                                    n=opt.n_documents + ties)
         if ctx is not None:
             ctx.rerank_ms = 1e3 * (time.perf_counter() - t1)
         return exact, short.n_scored, ranked, ties, len(done)
@@ -269,7 +276,9 @@ class Attributor:
         return not_removed(self.reader, seqs)
 
     def _exhaustive(self, q: Query, opt: QueryOptions, pre: Preconditioner, stop: threading.Event | None = None,
-                    progress: bool = False) -> tuple[TokenScores, int, list, int, int, np.ndarray]:
+                    progress: bool = False) -> tuple[TokenScores, int, list, tuple[int, int], int, np.ndarray]:
+        """(the returned documents' best sequences scored exactly, tokens scored, ranked (best token,
+        score), (tied beyond the last, of those unsettled), documents scored, the returned ones' values)."""
         self.check_exact()
         sign = -1.0 if opt.opponents else 1.0
         t0 = time.perf_counter()
@@ -280,16 +289,21 @@ class Attributor:
         keep = None if opt.include_untrained else self.reader.trained(all_docs)
         if self.reader.takedown.any():
             keep = ~self.reader.removed(all_docs) & (True if keep is None else keep)
-        top, per_doc, _ = tot.rank(opt.aggregation, sign, opt.n_documents, keep)
         ties = tot.tied_beyond(opt.aggregation, sign, opt.n_documents, keep)
+        settle = opt.tie_break == "cosine_sum" and ties > 0
+        top, per_doc, _ = tot.rank(opt.aggregation, sign, opt.n_documents + (ties if settle else 0), keep)
+        unsettled = 0
+        if settle:  # the near-tie at the cut, settled by the documents' summed cosines (every token exact)
+            st = settle_near_ties(per_doc, tot.cosine_sum[top], opt.n_documents, sign)
+            top, per_doc, ties, unsettled = top[st.order], per_doc[st.order], st.tied_beyond, st.unsettled
         best_tok = tot.best_token(opt.aggregation)
         # the returned documents' best sequences, scored again for their presentation
         exact = exact_scores(self.model, self.reader, q.G, pre, self.reader.seq_of_tokens(best_tok[top]),
                              match=q if opt.aggregation == "cosine_match" else None)
         where = {int(t): i for i, t in enumerate(exact.tok)}
         return (exact, self.reader.n_tokens,
-                [(where[int(best_tok[d])], float(sc)) for d, sc in zip(top, per_doc, strict=True)], ties,
-                self.reader.n_docs, np.asarray(tot.raw_sum[top], np.float64))  # every token scored exactly
+                [(where[int(best_tok[d])], float(sc)) for d, sc in zip(top, per_doc, strict=True)],
+                (ties, unsettled), self.reader.n_docs, np.asarray(tot.raw_sum[top], np.float64))  # every token exact
 
     def attribute(self, spec: QuerySpec, options: QueryOptions | None = None, *,
                   stop: threading.Event | None = None, progress: bool = False) -> Attribution:
@@ -305,11 +319,19 @@ class Attributor:
         q = self.encode(spec)
         t1 = time.perf_counter()
         ctx = CallContext(partial=opt.allow_partial)
+        sign = -1.0 if opt.opponents else 1.0
         if opt.mode == "fast":
             scores, n_scored, ranked, ties, n_exact = self._fast(q, opt, pre, ctx)
-            values = None
+            values, unsettled = None, 0
+            if len(ranked) > opt.n_documents:  # a near-tie at the cut: the documents' summed cosines settle it
+                best = np.array([b for b, _ in ranked], np.int64)
+                sums = self._document_sums(q, pre, scores, token_docs(self.reader, scores)[best], ctx)
+                st = settle_near_ties(np.array([sc for _, sc in ranked]), sums[:, 1], opt.n_documents, sign)
+                ranked, values = [ranked[i] for i in st.order], sums[st.order, 0]
+                ties, unsettled = st.tied_beyond, st.unsettled
         else:
-            scores, n_scored, ranked, ties, n_exact, values = self._exhaustive(q, opt, pre, stop, progress)
+            scores, n_scored, ranked, (ties, unsettled), n_exact, values = self._exhaustive(q, opt, pre, stop,
+                                                                                            progress)
         t3 = time.perf_counter()
         docs = [scored_document(self.reader, self.tokenizer, scores, best, score, rank, opponents=opt.opponents)
                 for rank, (best, score) in enumerate(ranked, 1)]
@@ -326,7 +348,6 @@ class Attributor:
             # the documents that drove the output by both measures: the score's order, less those whose
             # effect pushes the other way, by the full-model influence when asked, else by the value
             # (docs/attribution.md, "A document's value" and "Full-model influence")
-            sign = -1.0 if opt.opponents else 1.0
             effect = [sign * (d.influence or 0.0) if opt.influence else sign * d.value for d in docs]
             docs, left_out = left_out_opposed(docs, effect)
             opposed, opposed_value = (left_out, 0) if opt.influence else (0, left_out)
@@ -335,20 +356,27 @@ class Attributor:
         ms = Timings(1e3 * (t1 - t0), cand, 1e3 * (t3 - t1) - cand, 1e3 * (t4 - t3), 1e3 * (t4 - t0),
                      ctx.shortlist_ms, ctx.rerank_ms, 1e3 * (t4 - t_inf))
         return Attribution(opt.mode, opt.aggregation, pre.damping, q.info(), docs, q.per_token, ms, int(n_scored),
-                           sorted(ctx.missing), ties, n_exact, opposed, opposed_value)
+                           sorted(ctx.missing), ties, n_exact, opposed, opposed_value, unsettled)
 
     def _document_values(self, q: Query, pre: Preconditioner, exact: TokenScores, docs: np.ndarray,
                          ctx: CallContext) -> np.ndarray:
         """Each returned document's value: its tokens' raw influences ``s_t`` summed over every row of it,
         the re-scored rows' exact, the others' from the index's codes (docs/attribution.md, "A document's
         value")."""
+        return self._document_sums(q, pre, exact, docs, ctx)[:, 0]
+
+    def _document_sums(self, q: Query, pre: Preconditioner, exact: TokenScores, docs: np.ndarray,
+                       ctx: CallContext) -> np.ndarray:
+        """(len(docs), 2): per document its value and its tokens' cosines summed over every row of it (its
+        ``cosine_sum``), the re-scored rows' exact, the others' from the index's codes."""
         if not len(docs):
-            return np.zeros(0)
+            return np.zeros((0, 2))
         tok, first = np.unique(exact.tok, return_index=True)
         of = self.reader.doc_of_seqs(self.reader.seq_of_tokens(tok))
         mine = np.isin(of, docs)
-        tok, raw, of = tok[mine], np.asarray(exact.raw, np.float64)[first][mine], of[mine]
-        held = np.bincount(index_in(docs, of), weights=raw, minlength=len(docs))
+        tok, at = tok[mine], index_in(docs, of[mine])
+        held = np.stack([np.bincount(at, weights=np.asarray(v, np.float64)[first][mine], minlength=len(docs))
+                         for v in (exact.raw, exact.cos)], axis=1)
         return held + self.shards.document_values(q.G, pre, docs, tok, ctx)
 
     # ------------------------------------------------------------------------ full-model influence

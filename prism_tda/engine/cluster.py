@@ -241,7 +241,7 @@ class RayShards:
                         ctx: CallContext | None = None) -> np.ndarray:
         """Each holder values its own documents (the rows of ``skip`` it holds left out)."""
         docs = np.asarray(docs, np.int64)
-        out = np.zeros(len(docs))
+        out = np.zeros((len(docs), 2))
         if not len(docs):
             return out
         holder = self.holders_of(docs, self.doc_base)

@@ -375,11 +375,12 @@ RERANK_MARGIN = 1.0
 
 
 def reach(reader: Reads, exact: TokenScores, short: Shortlist, done: np.ndarray, aggregation: Aggregation,
-          sign: float, n: int) -> float:
+          sign: float, n: int, band: float = 0.0) -> float:
     """The ``sign`` x approximate score a document of ``short`` (the shortlist, best first by approximate
     score) must reach to possibly enter the top ``n``: the ``n``-th best exact score among ``done`` (the
-    positions re-scored into ``exact``) less ``RERANK_MARGIN`` x the largest |exact - approximate|
-    document score seen among them; -inf while fewer than ``n`` of them have an exact score."""
+    positions re-scored into ``exact``) less ``band`` x its size (a near-tie to settle reaches that far
+    below it) and ``RERANK_MARGIN`` x the largest |exact - approximate| document score seen among them;
+    -inf while fewer than ``n`` of them have an exact score."""
     tot = document_totals(reader, exact, sign)
     has = tot.best_token(aggregation) >= 0
     exact_of = dict(zip(tot.docs[has].tolist(), (sign * tot.scores(sign)[aggregation][has]).tolist(), strict=True))
@@ -388,7 +389,7 @@ def reach(reader: Reads, exact: TokenScores, short: Shortlist, done: np.ndarray,
     if ok.sum() < n:
         return -np.inf
     nth = np.sort(ex[ok])[::-1][n - 1]
-    return float(nth - RERANK_MARGIN * float(np.abs(ex[ok] - sign * short.score[done][ok]).max()))
+    return float(nth - band * abs(nth) - RERANK_MARGIN * float(np.abs(ex[ok] - sign * short.score[done][ok]).max()))
 
 
 # the n best documents' best rows are copied to the candidate windows that hold the same text up to

@@ -280,18 +280,19 @@ class ShardWorker:
     def document_values(self, G: torch.Tensor, pre: Preconditioner, docs: np.ndarray,
                         skip: np.ndarray) -> np.ndarray:
         """Per document of ``docs`` (all in this worker's shards, in the order given): its tokens'
-        approximate raw influences ``s_t`` summed over every row of it but those in ``skip`` (rows the
-        caller holds exact scores of)."""
+        approximate raw influences ``s_t`` and their cosines, each summed over every row of it but those
+        in ``skip`` (rows the caller holds exact scores of): (len(docs), 2)."""
         t0, started = time.perf_counter(), time.time()
         reader = self.reader
         docs = np.asarray(docs, np.int64)
         rows = reader.rows_of_documents(docs)
         rows = rows[~np.isin(rows, np.asarray(skip, np.int64))]
-        out = np.zeros(len(docs))
+        out = np.zeros((len(docs), 2))
         if len(rows):
             approx = approx_scores(reader, G, pre, rows)
-            of = reader.doc_of_seqs(reader.seq_of_tokens(approx.tok))
-            out[:] = np.bincount(index_in(docs, of), weights=np.asarray(approx.raw, np.float64), minlength=len(docs))
+            at = index_in(docs, reader.doc_of_seqs(reader.seq_of_tokens(approx.tok)))
+            for j, v in enumerate((approx.raw, approx.cos)):
+                out[:, j] = np.bincount(at, weights=np.asarray(v, np.float64), minlength=len(docs))
         self._done("document_values", t0, started, len(rows))
         return out
 

@@ -88,6 +88,12 @@ class QueryOptions:
     influence curvature: `prism index --out IDX --influence`). Of the first
     n_documents by score, those whose influence pushes the other way are left out (counted in
     ``opposed_by_influence``) unless ``keep_opposed``."""
+    tie_break: Literal["cosine_sum", "score"] = "cosine_sum"
+    """When more documents score within 0.1% of the n_documents-th best (a near-tie the score cannot
+    decide) than there are places left, those whose tokens' cosines sum highest (their ``cosine_sum``:
+    how much of the document points where the query does) take them, shown in the score's order;
+    ``tied_beyond_last`` counts the others. ``score``: the score's own order decides, down to its last
+    digits (then the best token's raw influence, then the lower document id)."""
     keep_opposed: bool = False
     """Keep the documents whose effect pushes the other way. By default, of the first n_documents by
     score, a document whose ``value`` (summed prototype-space influence) is <= 0 (>= 0 with
@@ -265,10 +271,11 @@ class Attribution:
     """Shards that did not answer (only when the query allowed a partial answer; then the documents
     are the best of the other shards)."""
     tied_beyond_last: int = 0
-    """Documents not returned whose score is within 0.1% of the last returned document's: the cut
-    falls inside a near-tie when above 0 (the order among tied documents is decided by the
-    tie-break, not by the score). Counted among the documents scored exactly: every document in exact
-    mode, the re-ranked ones (``documents_reranked``) in fast mode, so there it is a lower bound."""
+    """Documents not returned whose score is within 0.1% of the n_documents-th best: the cut falls
+    inside a near-tie when above 0, and which of the tied documents are returned is decided by
+    ``tie_break`` (by default their summed cosines), not by the score. Counted among the documents
+    scored exactly: every document in exact mode, the re-ranked ones (``documents_reranked``) in fast
+    mode, so there it is a lower bound."""
     documents_reranked: int = 0
     """Documents scored exactly: fast, the shortlisted documents the model re-scored (at least
     n_documents, at most exact_rerank; fewer with adaptive_rerank); exact, every document."""
@@ -280,6 +287,10 @@ class Attribution:
     """Without ``influence`` or ``keep_opposed``: documents the score ranked among the first
     ``n_documents`` but left out because their ``value`` pushes the other way (the same rule as
     ``opposed_by_influence``, by the prototype-space value)."""
+    unsettled_beyond_last: int = 0
+    """Of ``tied_beyond_last``, the documents whose summed cosines too are within 0.1% of the lowest
+    returned from the near-tie: neither measure separates them from what was returned (typically the
+    same text in several documents). 0 with ``tie_break: score``."""
 
     @property
     def partial(self) -> bool:

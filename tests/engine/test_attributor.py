@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from prism_tda.engine import Attributor, FirstStages, QueryOptions, QuerySpec, layout
+from prism_tda.engine.aggregate import settle_near_ties
 from prism_tda.engine.candidates import posting_plan, read_postings
 from prism_tda.engine.scoring import approx_scores, exact_scores, score_tokens
 from prism_tda.engine.shards import CallContext
@@ -219,10 +220,16 @@ def test_document_scores_cover_every_document_and_agree_with_the_ranking(att):
     assert all(v.shape == (att.reader.n_docs,) for v in s.values())
     trained = att.reader.trained(np.arange(att.reader.n_docs))
     for aggregation in s:  # every aggregation ranks the (trained) documents as document_scores says
-        res = att.attribute(COMPUTER, exact(5, aggregation=aggregation))
-        top = np.nonzero(trained)[0][np.argsort(-s[aggregation][trained], kind="stable")[:5]]
-        assert [d.score for d in res.documents] == pytest.approx(s[aggregation][top].tolist(), rel=1e-6)
-        assert res.aggregation == aggregation
+        res = att.attribute(COMPUTER, exact(5, aggregation=aggregation, tie_break="score"))
+        order = np.nonzero(trained)[0][np.argsort(-s[aggregation][trained], kind="stable")]
+        assert [d.score for d in res.documents] == pytest.approx(s[aggregation][order[:5]].tolist(), rel=1e-6)
+        assert res.aggregation == aggregation and res.unsettled_beyond_last == 0
+        # by default a near-tie at the cut is settled by the documents' summed cosines
+        settled = att.attribute(COMPUTER, exact(5, aggregation=aggregation, keep_opposed=True))
+        st = settle_near_ties(s[aggregation][order], s["cosine_sum"][order], 5)
+        assert {d.doc_id for d in settled.documents} == set(order[st.order].tolist())
+        assert (settled.tied_beyond_last, settled.unsettled_beyond_last) == (st.tied_beyond, st.unsettled)
+        assert settled.tied_beyond_last == res.tied_beyond_last  # the same near-tie, another pick from it
     fast = att.document_scores(q, mode="fast")
     best = int(np.argmax(fast["cosine_max"]))
     assert fast["cosine_max"][best] == pytest.approx(s["cosine_max"][best], rel=1e-4)  # re-ranked exactly
@@ -465,6 +472,23 @@ def test_answers_say_when_the_cut_falls_inside_a_near_tie():
     assert tot.tied_beyond("cosine_max", 1.0, 5) == 0  # 0.5 is not within 0.1% of 0.7993
     neg = DocumentTotals.of_tokens(docs, -cos, -cos, -1.0)  # opponents: the most negative first
     assert neg.tied_beyond("cosine_max", -1.0, 2) == 3
+
+
+def test_a_near_tie_at_the_cut_is_settled_by_the_second_measure():
+    """Documents more than 0.1% above the n-th best keep their places; the rest of the n come from the
+    near-tie by the second measure (then the score's order) and are shown in the score's order; the
+    left-out tied ones are counted, and those the second measure cannot separate either; the same with
+    the signs flipped (opponents); nothing moves without a near-tie at the cut."""
+    score = np.array([0.9, 0.8004, 0.8, 0.7995, 0.7993, 0.5])  # 0.8004 .. 0.7993 within 0.1% of 0.8
+    second = np.array([0.0, 1.0, 2.0, 5.0, 2.0, 9.0])
+    st = settle_near_ties(score, second, 3)
+    assert st.order.tolist() == [0, 2, 3] and (st.tied_beyond, st.unsettled) == (2, 1)  # 4 ties 2's 2.0
+    assert settle_near_ties(-score, -second, 3, sign=-1.0).order.tolist() == [0, 2, 3]
+    st = settle_near_ties(score, second, 1)  # 0.9 stands alone: no near-tie at the cut
+    assert st.order.tolist() == [0] and (st.tied_beyond, st.unsettled) == (0, 0)
+    st = settle_near_ties(score, second, 5)  # the cut after the whole near-tie
+    assert st.order.tolist() == [0, 1, 2, 3, 4] and st.tied_beyond == 0
+    assert settle_near_ties(score[:2], second[:2], 3).order.tolist() == [0, 1]
 
 
 def test_cosine_match_matches_each_target_token_and_averages(att):

@@ -1,5 +1,6 @@
 """Text that documents share (a licence header): every window holding the same tokens up to a re-scored
-row takes that row's exact score, so the fast path breaks the tie as exact mode does (lowest ids)."""
+row takes that row's exact score, so the fast path breaks the tie as exact mode does (by the documents'
+summed cosines, or with ``tie_break: score`` the lowest ids)."""
 
 from __future__ import annotations
 
@@ -38,7 +39,13 @@ def test_documents_sharing_text_tie_as_in_exact_mode(shared, monkeypatch):
     words = head.split()
     spec = QuerySpec(" ".join(words[:6]), " " + " ".join(words[6:9]))
     n = 4
-    base = dict(n_documents=n, include_untrained=True)
+    # by default the tied documents that go on most like the query are returned, in both modes
+    settled = att.attribute(spec, QueryOptions(mode="exact", n_documents=n, include_untrained=True))
+    assert settled.tied_beyond_last == SHARING - n and {d.doc_id for d in settled.documents} <= set(sharing)
+    fast_settled = att.attribute(spec, QueryOptions(n_documents=n, include_untrained=True, n_candidates=100_000))
+    assert {d.doc_id for d in fast_settled.documents} == {d.doc_id for d in settled.documents}
+    # with the score's own tie-break (then the lower id)
+    base = dict(n_documents=n, include_untrained=True, tie_break="score")
     ex = att.attribute(spec, QueryOptions(mode="exact", **base)).documents
     # the header's documents tie exactly at the top; exact mode keeps the lowest ids
     assert [d.doc_id for d in ex] == sharing[:n]

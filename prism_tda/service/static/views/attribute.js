@@ -83,7 +83,9 @@ export async function render(root, { params }) {
         const res = await api("POST", "/v1/attribute", { body: req });
         last = { req, res, selected: null, scope: "output", tokenDocs: new Map() };
         const ties = res.tied_beyond_last
-          ? ` · ${res.tied_beyond_last}${res.mode === "fast" ? "+" : ""} more documents tie with the last one (within 0.1%)`
+          ? ` · ${res.tied_beyond_last}${res.mode === "fast" ? "+" : ""} more documents tie at the cut (within 0.1%)` +
+            (req.tie_break === "score" ? "" : "; of the tied, those whose tokens' cosines sum highest are shown") +
+            (res.unsettled_beyond_last ? ` (${res.unsettled_beyond_last} not separated by that either)` : "")
           : "";
         const opposed = res.opposed_by_influence
           ? ` · ${res.opposed_by_influence} left out: their full-model influence pushes the other way`
