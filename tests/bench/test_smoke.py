@@ -506,3 +506,26 @@ def test_influence_loss_ab_runs_both_losses_on_a_copy_of_the_tiny_index(index, t
     assert block["calls"] == 4 and set(block["ms_p50"]) == set(ARMS)
     assert block["max_rel_value_diff"] < 1e-6 and res["fit"]["max_rel_eigenvalue_diff"] < 1e-6
     assert inf._loss is engine_loss
+
+
+def test_near_ties_counts_the_served_answer_as_exact_mode_returns_it(index):
+    """``near_ties.settled`` (the benchmark's served default, from exact per-document scores) returns the
+    documents exact mode returns, for queries whose cut falls inside a near-tie and for one whose cut
+    does not; and it counts a near-tie only where the summed cosines leave one."""
+    import numpy as np
+
+    from bench.attribution.near_ties import near_ties, settled
+    from prism_tda.engine import Attributor, QueryOptions, QuerySpec
+
+    att = Attributor.open(index)
+    every = np.ones(att.reader.n_docs, dtype=bool)
+    tied = 0
+    for spec in (QuerySpec("A computer", " is a"), QuerySpec("Love is", " a"), QuerySpec("The")):
+        s = att.document_scores(att.encode(spec), mode="exact")
+        res = att.attribute(spec, QueryOptions(n_documents=10, mode="exact", include_untrained=True,
+                                               keep_opposed=True))
+        ranking, count = settled(s["cosine_max"], s["cosine_sum"], every)
+        assert {d.doc_id for d in res.documents} == set(ranking[:10].tolist())
+        assert count == (10 + res.unsettled_beyond_last if res.unsettled_beyond_last else 10)
+        tied += near_ties(s["cosine_max"], every) > 10
+    assert tied >= 1  # the queries include a cut inside a near-tie
