@@ -223,3 +223,21 @@ def demo_queries(args) -> tuple:
     prompts = prompts_of(Path(att.manifest.checkpoint) / "tokenizer.json", first + args.prompts,
                          args.prompt_tokens)[first:]
     return att, [QuerySpec(p, args.completion) for p in prompts], QueryOptions(n_documents=10)
+
+
+def served_ranking(s: np.ndarray, second: np.ndarray, keep: np.ndarray, k: int = 10) -> tuple[np.ndarray, int]:
+    """Exact mode's answer from exact per-document scores: (every kept document, best first, as the
+    served default returns them: the ``k`` that ``settle_near_ties`` takes from ``s`` (``cosine_max``)
+    and ``second`` (``cosine_sum``), then the rest by score; the documents of the near-tie at the cut
+    that neither measure separates from those taken, counted as ``near_ties.near_ties`` counts: ``k``
+    plus them, ``k`` without any)."""
+    from prism_tda.engine.aggregate import settle_near_ties
+
+    order = np.flatnonzero(keep)[np.argsort(-s[keep], kind="stable")]
+    v = s[order]
+    if len(v) < k or not (np.isfinite(v[k - 1]) and v[k - 1] > 0):
+        return order, 0
+    m = int((v >= v[k - 1] - 1e-3 * abs(v[k - 1])).sum())
+    st = settle_near_ties(v[:m], second[order[:m]], k)
+    top = order[st.order]
+    return np.concatenate([top, order[~np.isin(order, top)]]), (k + st.unsettled) if st.unsettled else k

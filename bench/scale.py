@@ -48,7 +48,7 @@ from pathlib import Path
 import httpx
 import numpy as np
 
-from bench._common import finish, served
+from bench._common import finish, served, served_ranking
 from bench.scale_corpus import MANIFEST
 from prism_tda.engine import layout
 from prism_tda.indexer.merge import merge_index
@@ -216,7 +216,7 @@ def overlap_fast_exact(index: Path, queries: list[dict], k: int = 10, arms: dict
         per_query = []
         for q, f, e in zip(queries, fast[arm], exact, strict=True):
             s = e["cosine_max"]
-            top = np.argsort(-s, kind="stable")[:k]
+            top = served_ranking(s, e["cosine_sum"], np.ones(len(s), dtype=bool), k)[0][:k]  # exact mode's answer
             top = top[s[top] > 0]
             # beside the strict set overlap: the exact score mass the fast top-k keeps (no tolerance to
             # choose), and how many documents score within 0.1% of the exact k-th best (near-ties, where

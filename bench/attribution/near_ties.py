@@ -39,10 +39,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from bench._common import finish
+from bench._common import finish, served_ranking
 from bench.scale import held_out_queries
 from prism_tda.engine import Attributor, QueryOptions, QuerySpec
-from prism_tda.engine.aggregate import settle_near_ties
 from prism_tda.engine.exact import ExactBatch, exhaustive
 from prism_tda.engine.reads import document_table
 from prism_tda.engine.scoring import TargetColumns, match_cosines, score_tokens
@@ -188,20 +187,6 @@ def near_ties(s: np.ndarray, keep: np.ndarray, k: int = 10) -> int:
 SETTLED = "cosine_max_settled"  # the served default: cosine_max, a near-tie at the cut settled by cosine_sum
 
 
-def settled(s: np.ndarray, second: np.ndarray, keep: np.ndarray, k: int = 10) -> tuple[np.ndarray, int]:
-    """(every kept document, best first, as the served default returns them: the ``k`` that
-    ``settle_near_ties`` takes, then the rest by score; the documents of the near-tie neither measure
-    separates from those taken, as :func:`near_ties` counts: ``k`` plus them, 0 without a near-tie)."""
-    order = np.flatnonzero(keep)[np.argsort(-s[keep], kind="stable")]
-    v = s[order]
-    if len(v) < k or not (np.isfinite(v[k - 1]) and v[k - 1] > 0):
-        return order, 0
-    m = int((v >= v[k - 1] - 1e-3 * abs(v[k - 1])).sum())
-    st = settle_near_ties(v[:m], second[order[:m]], k)
-    top = order[st.order]
-    return np.concatenate([top, order[~np.isin(order, top)]]), (k + st.unsettled) if st.unsettled else k
-
-
 def fast_overlap(att: Attributor, queries: list[dict], per_query: list[dict], aggregations: list[str],
                  n: int = 10, exact: np.lib.npyio.NpzFile | None = None, ext: np.ndarray | None = None,
                  **options) -> dict:
@@ -329,9 +314,9 @@ def main(argv: list[str] | None = None) -> dict:
         everything = np.ones(n, dtype=bool)
         for name, s in [*sc.items(), (SETTLED, sc["cosine_max"])]:
             if name == SETTLED:
-                row["near_ties"][name] = settled(s, sc["cosine_sum"], keep_wanted)[1]
-                row["near_ties_distinct"][name] = settled(s, sc["cosine_sum"], keep_wanted & first_of_text)[1]
-                ranking = settled(s, sc["cosine_sum"], everything)[0]
+                row["near_ties"][name] = served_ranking(s, sc["cosine_sum"], keep_wanted)[1]
+                row["near_ties_distinct"][name] = served_ranking(s, sc["cosine_sum"], keep_wanted & first_of_text)[1]
+                ranking = served_ranking(s, sc["cosine_sum"], everything)[0]
             else:
                 row["near_ties"][name] = near_ties(s, keep_wanted)
                 row["near_ties_distinct"][name] = near_ties(s, keep_wanted & first_of_text)

@@ -26,7 +26,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from bench._common import finish, index_documents
+from bench._common import finish, index_documents, served_ranking
 from bench.attribution.planted import make_facts, write_corpus
 from prism_tda.cli import build_configs
 from prism_tda.corpus import is_validation
@@ -125,8 +125,9 @@ def main(argv: list[str] | None = None) -> dict:
         times["fast"].append(r.timings_ms.total / 1e3)
         served, _ = left_out_opposed(r.documents, [d.value for d in r.documents])  # the served rule
         res = {"fast": [ext[d.doc_id] for d in r.documents], "served": [ext[d.doc_id] for d in served]}
-        s = np.where(trained, exact["cosine_max"], -np.inf)
-        res["exact"] = [ext[int(d)] for d in np.argsort(-s, kind="stable")[:50] if np.isfinite(s[d]) and s[d] > 0]
+        s = exact["cosine_max"]
+        order = served_ranking(s, exact["cosine_sum"], trained, 50)[0][:50]  # exact mode's answer
+        res["exact"] = [ext[int(d)] for d in order if np.isfinite(s[d]) and s[d] > 0]
         for mode in ("fast", "served", "exact"):
             row[mode] = rank_of(res[mode], wanted)
         top_f, top_e = set(res["fast"][:10]), set(res["exact"][:10])

@@ -509,12 +509,13 @@ def test_influence_loss_ab_runs_both_losses_on_a_copy_of_the_tiny_index(index, t
 
 
 def test_near_ties_counts_the_served_answer_as_exact_mode_returns_it(index):
-    """``near_ties.settled`` (the benchmark's served default, from exact per-document scores) returns the
+    """``served_ranking`` (the benchmarks' served default, from exact per-document scores) returns the
     documents exact mode returns, for queries whose cut falls inside a near-tie and for one whose cut
     does not; and it counts a near-tie only where the summed cosines leave one."""
     import numpy as np
 
-    from bench.attribution.near_ties import near_ties, settled
+    from bench._common import served_ranking
+    from bench.attribution.near_ties import near_ties
     from prism_tda.engine import Attributor, QueryOptions, QuerySpec
 
     att = Attributor.open(index)
@@ -524,7 +525,7 @@ def test_near_ties_counts_the_served_answer_as_exact_mode_returns_it(index):
         s = att.document_scores(att.encode(spec), mode="exact")
         res = att.attribute(spec, QueryOptions(n_documents=10, mode="exact", include_untrained=True,
                                                keep_opposed=True))
-        ranking, count = settled(s["cosine_max"], s["cosine_sum"], every)
+        ranking, count = served_ranking(s["cosine_max"], s["cosine_sum"], every)
         assert {d.doc_id for d in res.documents} == set(ranking[:10].tolist())
         assert count == (10 + res.unsettled_beyond_last if res.unsettled_beyond_last else 10)
         tied += near_ties(s["cosine_max"], every) > 10
