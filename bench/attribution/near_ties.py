@@ -234,6 +234,12 @@ def headline(res: dict) -> dict:
     path's strict overlap with exact on held-out queries (as ``bench/scale.py`` counts it)."""
     by_score = res["near_tie_query_share_by_score"]
     res["near_tie_query_share"] = by_score.get(SETTLED, by_score["cosine_max"])
+    rows = res.get("per_query", [])
+    if rows:  # 95% interval over queries (2,000 seeded resamples)
+        name = SETTLED if SETTLED in by_score else "cosine_max"
+        tied = np.array([r["near_ties"][name] > 10 for r in rows], dtype=float)
+        boot = tied[np.random.default_rng(0).integers(0, len(tied), (2000, len(tied)))].mean(1)
+        res["near_tie_query_share_ci95"] = [round(float(np.percentile(boot, q)), 3) for q in (2.5, 97.5)]
     fast = res.get("fast", {}).get("cosine_max")
     if fast and "held_out" in fast["overlap_at_10"]:
         res["overlap_at_10_fast_vs_exact"] = fast["overlap_at_10"]["held_out"]

@@ -59,10 +59,11 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--steps", type=int, default=1500)
     ap.add_argument("--work", default="runs/bench_attribution")
     ap.add_argument("--candidates", type=int, default=256)
+    ap.add_argument("--seed", type=int, default=0, help="the facts' draw (0: the facts every earlier run used)")
     ap.add_argument("--out", default="bench/results/attribution_planted_full.json")
     args = ap.parse_args(argv)
     work = Path(args.work)
-    facts = make_facts(args.facts, args.copies)
+    facts = make_facts(args.facts, args.copies, seed=args.seed)
     corpus = write_corpus(work, facts)
 
     model_cfg, train_cfg = build_configs("tiny", None, [f"train.max_steps={args.steps}"])
