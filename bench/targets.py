@@ -101,8 +101,18 @@ TARGETS: list[Target] = [
            "fresh_splits_influence_pooled.lds_diff_prism_fast_influence_ekfac_ci.ci95",
            "an option, not the default: about 3x a fast query's time (0.81 s against 0.25 s at 128 documents, "
            "seed 8)", dated_by="attribution_influence_seed8.json"),
-    Target(24, "`near_tie_query_share` (exact `cosine_max`, >= 4M tokens)", "near_ties_scale.json",
-           "near_tie_query_share", "<=", 0.1),
+    Target(24, "`near_tie_query_share`, the served answer (`cosine_max`, a near-tie at the cut settled by the "
+               "documents' summed cosines), 48 fresh held-out queries and 8 planted facts (verbatim and "
+               "paraphrased) at 5.18M tokens", "near_ties_settled_scale.json",
+           "near_tie_query_share", "<=", 0.1, "near_tie_query_share_ci95",
+           "the settling rule was chosen on the earlier draw's queries and the memorised-facts corpus"),
+    Target(24, "`near_tie_query_share`, the score alone (`cosine_max`), the same 64 queries",
+           "near_ties_settled_scale.json", "near_tie_query_share_by_score.cosine_max", "<=", 0.1),
+    Target(24, "`overlap_at_10_fast_vs_exact`, strict, the same 48 fresh held-out queries at 5.18M tokens, "
+               "against exact mode's answer (its near-tie settled too)", "near_ties_settled_scale.json",
+           "overlap_at_10_fast_vs_exact", ">=", 0.9),
+    Target(24, "`near_tie_query_share` (exact `cosine_max` alone, the earlier draw of 24 held-out queries, before "
+               "near-ties were settled)", "near_ties_scale.json", "near_tie_query_share", "<=", 0.1),
     Target(24, "`overlap_at_10_fast_vs_exact`, strict, 96 held-out queries at 6.22M tokens (the report's draw, "
                "re-asked on the index rebuilt 2026-12-06)",
            "scale.json", "overlap_fresh_report.overlap_at_10", ">=", 0.9, "overlap_fresh_report.ci95"),
@@ -113,7 +123,7 @@ TARGETS: list[Target] = [
     Target(24, "`overlap_at_10_fast_vs_exact`, strict, 72 fresh queries at 6.22M tokens (then diagnosed; the "
                "2026-12-05 index, not re-run)",
            "scale.json", "overlap_fresh.overlap_at_10", ">=", 0.9, "overlap_fresh.ci95"),
-    Target(24, "`overlap_at_10_fast_vs_exact`, strict, the near-tie index: 24 held-out queries at 5.18M tokens, asked before", "near_ties_scale.json",
+    Target(24, "`overlap_at_10_fast_vs_exact`, strict, the near-tie index: 24 held-out queries at 5.18M tokens, asked before (before near-ties were settled)", "near_ties_scale.json",
            "overlap_at_10_fast_vs_exact", ">=", 0.9),
     Target(24, "`canary_recall_at_10_verbatim`", "attribution.json", "canary_recall_at_10_verbatim", "==", 1.0),
     Target(24, "`canary_recall_at_10_paraphrase`", "attribution.json", "canary_recall_at_10_paraphrase", ">=", 0.95),
