@@ -17,7 +17,7 @@ from tests.service.conftest import service_settings, serving
 # a value other than the default for every option
 CHOSEN = dict(n_documents=7, mode="exact", n_candidates=77, opponents=True, damping=0.7, aggregation="cosine_sum",
               exact_rerank=9, adaptive_rerank=False, exact_tokens=None, nprobe=3, include_untrained=True,
-              influence=True, keep_opposed=True, allow_partial=True)
+              influence=True, keep_opposed=True, allow_partial=True, tie_break="score")
 
 
 def test_the_chosen_values_cover_every_option():
@@ -68,7 +68,8 @@ def test_options_reach_the_engine_from_the_command_line(index, recorded, capsys)
     argv = ["attribute", "--index", str(index), "--prompt", "A computer", "--completion", " is a",
             "--target-index", "1", "--n-documents", "7", "--mode", "exact", "--n-candidates", "77", "--opponents",
             "--damping", "0.7", "--aggregation", "cosine_sum", "--exact-rerank", "9", "--no-adaptive-rerank", "--exact-tokens", "none",
-            "--nprobe", "3", "--include-untrained", "--influence", "--keep-opposed", "--allow-partial"]
+            "--nprobe", "3", "--include-untrained", "--influence", "--keep-opposed", "--allow-partial",
+            "--tie-break", "score"]
     assert main(argv) == 0
     assert recorded[-1] == (QuerySpec("A computer", " is a", None, 1), QueryOptions(**CHOSEN))
     # exact mode says what it will cost before it starts
