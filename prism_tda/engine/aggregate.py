@@ -203,8 +203,7 @@ class DocumentTotals:
         _, score, _ = self.rank(aggregation, sign, len(self.docs), keep)
         if len(score) <= n or n < 1:
             return 0
-        last = score[n - 1]
-        return int((np.abs(score[n:] - last) <= NEAR_TIE * abs(last)).sum())
+        return int(near(score[n:], score[n - 1]).sum())
 
     def expand(self, n_docs: int, sign: float) -> dict[Aggregation, np.ndarray]:
         """:meth:`scores` as arrays over every document id of the index (0 for the others)."""

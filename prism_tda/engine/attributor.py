@@ -52,7 +52,6 @@ from .scoring import (
     exact_scores,
     not_removed,
     prefix_copies,
-    rank_documents,
     rank_documents_with_ties,
     reach,
     token_docs,
@@ -256,11 +255,9 @@ class Attributor:
         if scoring.PREFIX_COPIES and m is not None:  # exact ties: every candidate window holding the same text
             exact = prefix_copies(self.reader, exact, self._copy_targets(seqs, opt, ctx), opt.aggregation, sign,
                                   opt.n_documents)
+        # with the rest of the near-tie at the cut, for it to be settled
         ranked, ties = rank_documents_with_ties(self.reader, exact, opt.aggregation, opponents=opt.opponents,
-                                                n=opt.n_documents)
-        if opt.tie_break == "cosine_sum" and ties:  # and the rest of the near-tie at the cut, for it to settle
-            ranked = rank_documents(self.reader, exact, opt.aggregation, opponents=opt.opponents,
-                                    n=opt.n_documents + ties)
+                                                n=opt.n_documents, with_tied=opt.tie_break == "cosine_sum")
         if ctx is not None:
             ctx.rerank_ms = 1e3 * (time.perf_counter() - t1)
         return exact, short.n_scored, ranked, ties, len(done)

@@ -333,12 +333,17 @@ def ranked_documents(reader: Reads, scores: TokenScores, aggregation: Aggregatio
 
 
 def rank_documents_with_ties(reader: Reads, scores: TokenScores, aggregation: Aggregation, *, opponents: bool,
-                             n: int) -> tuple[list[tuple[int, float]], int]:
+                             n: int, with_tied: bool = False) -> tuple[list[tuple[int, float]], int]:
     """:func:`rank_documents` and how many documents of ``scores`` ranked after those score within 0.1%
-    of the last one (``DocumentTotals.tied_beyond``)."""
+    of the last one (``DocumentTotals.tied_beyond``); ``with_tied``: those documents ranked too, after
+    the ``n`` (for ``settle_near_ties``)."""
     sign = -1.0 if opponents else 1.0
     tot, best, score, _ = _ranked(reader, scores, aggregation, sign, n)
-    return [(int(b), float(s)) for b, s in zip(best, score, strict=True)], tot.tied_beyond(aggregation, sign, n)
+    ties = tot.tied_beyond(aggregation, sign, n)
+    if with_tied and ties:
+        at, score, _ = tot.rank(aggregation, sign, n + ties)
+        best = tot.best_token(aggregation)[at]
+    return [(int(b), float(s)) for b, s in zip(best, score, strict=True)], ties
 
 
 def rank_documents(reader: Reads, scores: TokenScores, aggregation: Aggregation, *, opponents: bool,
