@@ -32,7 +32,7 @@ from prism_tda.errors import PrismError, QueryError, check_stop
 from prism_tda.model import checkpoint as ckpt
 
 from . import layout, scoring
-from .aggregate import NEAR_TIE, settle_near_ties
+from .aggregate import NEAR_TIE, near, settle_near_ties
 from .arrays import index_in, unique
 from .candidates import FirstStages, posting_plan
 from .exact import exhaustive, measure_rate
@@ -49,6 +49,7 @@ from .scoring import (
     approx_scores,
     concat_scores,
     document_scores,
+    document_totals,
     exact_scores,
     not_removed,
     prefix_copies,
@@ -237,9 +238,23 @@ class Attributor:
         done = with_copies(set(list(dict.fromkeys(keys))[: opt.n_documents])) if opt.adaptive_rerank \
             else np.arange(n_units)
         parts = [rescore(done)]
+        # a sum aggregation scores the whole document: its re-scored window exact, its other rows from the
+        # codes (as its value); per re-scored document, (raw, cosine) sums
+        summed = opt.aggregation.endswith("_sum") and scoring.WHOLE_DOCUMENT_SUMS
+        whole: dict[int, tuple[float, float]] = {}
+
+        def whole_sums(scores: TokenScores) -> dict[int, float]:
+            new = np.array(sorted({int(d) for d in short.doc[done]} - set(whole)), np.int64)
+            if len(new):
+                sums = self._document_sums(q, pre, scores, new, ctx)
+                whole.update(zip(new.tolist(), map(tuple, sums.tolist()), strict=True))
+            col = 0 if opt.aggregation == "raw_sum" else 1
+            return {d: v[col] for d, v in whole.items()}
+
         while True:
-            bar = reach(self.reader, concat_scores(parts, self.reader.k), short, done, opt.aggregation, sign,
-                        opt.n_documents, band) if opt.adaptive_rerank else -np.inf
+            so_far = concat_scores(parts, self.reader.k)
+            bar = reach(self.reader, so_far, short, done, opt.aggregation, sign, opt.n_documents, band,
+                        whole_sums(so_far) if summed else None) if opt.adaptive_rerank else -np.inf
             rest = np.setdiff1d(np.arange(n_units), done)
             rest = rest[sign * short.score[rest] >= bar]
             if len(rest):
@@ -256,11 +271,31 @@ class Attributor:
             exact = prefix_copies(self.reader, exact, self._copy_targets(seqs, opt, ctx), opt.aggregation, sign,
                                   opt.n_documents)
         # with the rest of the near-tie at the cut, for it to be settled
-        ranked, ties = rank_documents_with_ties(self.reader, exact, opt.aggregation, opponents=opt.opponents,
-                                                n=opt.n_documents, with_tied=opt.tie_break == "cosine_sum")
+        if summed:
+            whole_sums(exact)
+            ranked, ties = self._rank_whole(exact, whole, opt, sign)
+        else:
+            ranked, ties = rank_documents_with_ties(self.reader, exact, opt.aggregation, opponents=opt.opponents,
+                                                    n=opt.n_documents, with_tied=opt.tie_break == "cosine_sum")
         if ctx is not None:
             ctx.rerank_ms = 1e3 * (time.perf_counter() - t1)
         return exact, short.n_scored, ranked, ties, len(done)
+
+    def _rank_whole(self, exact: TokenScores, whole: dict[int, tuple[float, float]], opt: QueryOptions,
+                    sign: float) -> tuple[list[tuple[int, float]], int]:
+        """The fast path's ranking under a sum aggregation: the re-scored documents by their whole sums
+        (``whole``: per document its (raw, cosine) sums), then the other sum, then the lower document id;
+        as :func:`rank_documents_with_ties` gives it, each document shown by its best re-scored token."""
+        docs = np.array(sorted(whole), np.int64)
+        sums = np.array([whole[int(d)] for d in docs], np.float64).reshape(-1, 2)
+        score, tie = (sums[:, 0], sums[:, 1]) if opt.aggregation == "raw_sum" else (sums[:, 1], sums[:, 0])
+        order = np.lexsort((docs, -(sign * tie), -(sign * score)))
+        n = opt.n_documents
+        ties = int(near(score[order[n:]], float(score[order[n - 1]])).sum()) if len(order) > n else 0
+        take = order[: n + (ties if opt.tie_break == "cosine_sum" else 0)]
+        tot = document_totals(self.reader, exact, sign)
+        best = tot.best_token(opt.aggregation)[np.searchsorted(tot.docs, docs[take])]
+        return [(int(b), float(s)) for b, s in zip(best, score[take], strict=True)], ties
 
     def _copy_targets(self, seqs: np.ndarray, opt: QueryOptions, ctx: CallContext | None) -> np.ndarray:
         """The candidate windows a tied row may be copied to: those the shortlist could rank (trained
@@ -363,7 +398,7 @@ class Attributor:
         return self._document_sums(q, pre, exact, docs, ctx)[:, 0]
 
     def _document_sums(self, q: Query, pre: Preconditioner, exact: TokenScores, docs: np.ndarray,
-                       ctx: CallContext) -> np.ndarray:
+                       ctx: CallContext | None) -> np.ndarray:
         """(len(docs), 2): per document its value and its tokens' cosines summed over every row of it (its
         ``cosine_sum``), the re-scored rows' exact, the others' from the index's codes."""
         if not len(docs):

@@ -380,15 +380,19 @@ RERANK_MARGIN = 1.0
 
 
 def reach(reader: Reads, exact: TokenScores, short: Shortlist, done: np.ndarray, aggregation: Aggregation,
-          sign: float, n: int, band: float = 0.0) -> float:
+          sign: float, n: int, band: float = 0.0, whole: dict[int, float] | None = None) -> float:
     """The ``sign`` x approximate score a document of ``short`` (the shortlist, best first by approximate
     score) must reach to possibly enter the top ``n``: the ``n``-th best exact score among ``done`` (the
     positions re-scored into ``exact``) less ``band`` x its size (a near-tie to settle reaches that far
     below it) and ``RERANK_MARGIN`` x the largest |exact - approximate| document score seen among them;
-    -inf while fewer than ``n`` of them have an exact score."""
-    tot = document_totals(reader, exact, sign)
-    has = tot.best_token(aggregation) >= 0
-    exact_of = dict(zip(tot.docs[has].tolist(), (sign * tot.scores(sign)[aggregation][has]).tolist(), strict=True))
+    -inf while fewer than ``n`` of them have an exact score. ``whole``: each re-scored document's score
+    as the caller has it (a sum aggregation's, over the whole document) instead of from ``exact``."""
+    if whole is not None:
+        exact_of = {d: sign * v for d, v in whole.items()}
+    else:
+        tot = document_totals(reader, exact, sign)
+        has = tot.best_token(aggregation) >= 0
+        exact_of = dict(zip(tot.docs[has].tolist(), (sign * tot.scores(sign)[aggregation][has]).tolist(), strict=True))
     ex = np.array([exact_of.get(int(d), np.nan) for d in short.doc[done]])
     ok = ~np.isnan(ex)
     if ok.sum() < n:
@@ -396,6 +400,12 @@ def reach(reader: Reads, exact: TokenScores, short: Shortlist, done: np.ndarray,
     nth = np.sort(ex[ok])[::-1][n - 1]
     return float(nth - band * abs(nth) - RERANK_MARGIN * float(np.abs(ex[ok] - sign * short.score[done][ok]).max()))
 
+
+# a sum aggregation's fast path scores each document over all of its windows: the shortlist from every
+# window of the candidates' documents, the re-ranked ones by their whole sums (re-scored rows exact, the
+# others from the codes); False: over the candidate windows and the re-ranked window only (the earlier
+# rule, kept for bench/attribution/sum_aggregations.py)
+WHOLE_DOCUMENT_SUMS = True
 
 # the n best documents' best rows are copied to the candidate windows that hold the same text up to
 # them, when those documents tie exactly (bench/attribution/prefix_copies.py measures the agreement with

@@ -28,6 +28,7 @@ import torch
 
 from prism_tda.errors import check_stop
 
+from . import scoring
 from .arrays import index_in, unique
 from .candidates import PostingPlan, best_posting_tokens
 from .query import Targets
@@ -244,10 +245,13 @@ class ShardWorker:
         shards) by their approximate scores under ``aggregation``; for each, the rows of its best
         sequence to re-score exactly (the ``m`` best by approximate cosine; None: all) and its ``m`` best
         rows in its other candidate sequences (``Shortlist.more``), or with ``match`` (the query's
-        target tokens, for ``cosine_match``) every candidate sequence of it."""
+        target tokens, for ``cosine_match``) every candidate sequence of it. A sum aggregation scores
+        every window of the candidates' documents, not only the candidate windows."""
         t0, started = time.perf_counter(), time.time()
         reader = self.reader
         seqs = unique(np.asarray(seqs, np.int64))
+        if aggregation.endswith("_sum") and scoring.WHOLE_DOCUMENT_SUMS:  # a sum is over the whole document: every window of a candidate's
+            seqs = reader.sequences_of_documents(reader.doc_of_seqs(seqs))
         if not include_untrained:
             seqs = trained_only(reader, seqs)
         seqs = not_removed(reader, seqs)

@@ -61,8 +61,9 @@ class QueryOptions:
     the index's)."""
     aggregation: Aggregation = "cosine_max"
     """How a document's token scores make its score: the best token's cosine (default), the sum of
-    cosines, the best or summed raw influence, or cosine_match: each target token matched to its best
-    token of the document, averaged (a multi-token target matched as a whole)."""
+    cosines, the best or summed raw influence (a sum over every window of the document), or
+    cosine_match: each target token matched to its best token of the document, averaged (a multi-token
+    target matched as a whole)."""
     exact_rerank: Annotated[int, Field(ge=1, le=1024)] = 128
     """Fast path: the shortlist, documents by approximate score that may be re-scored exactly by the model
     before ranking (at least n_documents are; with adaptive_rerank only those that could still reach the

@@ -313,6 +313,27 @@ def test_switch_benches_measure_both_arms_on_the_same_queries(bench, module, swi
     assert b.main(args)["exact_pass_seconds"] == res["exact_pass_seconds"]
 
 
+def test_sum_aggregations_measures_both_rules_against_one_exact_pass(index, tiny_corpus, tmp_path, monkeypatch):
+    """bench/attribution/sum_aggregations.py on the tiny index: both rules under both sums on every query,
+    the switch put back, the exact sums read back from their arrays; the whole-document rule's scores
+    within the codes' error of the exact sums."""
+    import bench.attribution.sum_aggregations as sa
+    from prism_tda.engine import scoring
+
+    short = [("A computer", " is a"), ("Love is", " a"), ("The only way to", " be")]
+    monkeypatch.setattr(sa, "draw", lambda *a: [{"prompt": p, "completion": c, "id": str(i)}
+                                                for i, (p, c) in enumerate(short)])
+    args = ["--index", str(index), "--heldout", str(tiny_corpus), "--queries", "3",
+            "--arrays", str(tmp_path / "x.npz"), "--out", str(tmp_path / "r.json")]
+    res = sa.main(args)
+    assert scoring.WHOLE_DOCUMENT_SUMS is True
+    for agg in ("raw_sum", "cosine_sum"):
+        for arm in ("whole", "earlier"):
+            assert len(res[agg][arm]["per_query_overlap"]) == 3
+        assert res[agg]["whole"]["score_relative_error_median"][0] < 0.02
+    assert sa.main(args)["exact_pass_seconds"] == res["exact_pass_seconds"]
+
+
 def test_fast_ab_measures_two_option_sets_on_one_slice(index, tiny_corpus, tmp_path, monkeypatch):
     """bench/attribution/fast_ab.py on the tiny index: both arms on every query of the slice, their
     options as given, the exact pass of the whole draw read back from its arrays."""

@@ -264,6 +264,33 @@ def test_a_documents_value_sums_every_token_of_it(att):
         assert att._document_values(q, pre, none, docs, CallContext()) == pytest.approx(coded, rel=1e-6, abs=1e-9)
 
 
+def test_sum_aggregations_score_every_window_of_a_document(att, monkeypatch):
+    """Under raw_sum and cosine_sum a document scores the sum over every window of it in fast mode as in
+    exact mode: the re-ranked window exact, the others from the codes (raw_sum: its value). The earlier
+    rule (the candidate windows, then the re-ranked window alone) scored part of a long document."""
+    from prism_tda.engine import scoring
+
+    r = att.reader
+    windows = np.bincount(r.doc_of_seqs(np.arange(r.n_seqs)), minlength=r.n_docs)
+    specs = [COMPUTER, QuerySpec("Love is", " a"), QuerySpec("The best way to", " get")]
+    off: list[float] = []
+    for spec in specs:
+        ex = att.document_scores(att.encode(spec), mode="exact")
+        for agg in ("raw_sum", "cosine_sum"):
+            res = att.attribute(spec, QueryOptions(n_documents=10, aggregation=agg, keep_opposed=True))
+            long = [d for d in res.documents if windows[d.doc_id] > 1]
+            assert long, "the check needs documents of several windows"
+            for d in res.documents:
+                assert d.score == pytest.approx(ex[agg][d.doc_id], rel=0.02, abs=1e-6)
+                if agg == "raw_sum":
+                    assert d.score == pytest.approx(d.value, rel=1e-9, abs=1e-9)
+            monkeypatch.setattr(scoring, "WHOLE_DOCUMENT_SUMS", False)
+            before = att.attribute(spec, QueryOptions(n_documents=10, aggregation=agg, keep_opposed=True))
+            monkeypatch.setattr(scoring, "WHOLE_DOCUMENT_SUMS", True)
+            off += [abs(d.score / ex[agg][d.doc_id] - 1) for d in before.documents if windows[d.doc_id] > 1]
+    assert max(off) > 0.1  # the earlier rule's error on a document of several windows, for contrast
+
+
 def test_documents_whose_value_opposes_the_output_are_left_out(att):
     """By default, of the first n by score, a document whose value (its whole influence) pushes the other
     way is left out and counted; keep_opposed returns them all; with opponents the sign flips."""

@@ -1,0 +1,126 @@
+"""The fast path under the sum aggregations (``raw_sum``, ``cosine_sum``) against exact mode, with a
+document scored over all of its windows (``scoring.WHOLE_DOCUMENT_SUMS``) and over its candidate
+windows and re-ranked window only (the earlier rule).
+
+Exact mode sums a document's token scores over every window of it. The earlier fast path shortlisted
+by the sums over the candidate windows and scored a re-ranked document by its re-ranked window alone,
+so a document of several windows scored a part of its sum. With the switch on, the shortlist scores
+every window of the candidates' documents from the codes and a re-ranked document's score is its
+whole sum, its re-ranked window exact and the others from the codes (as its ``value``).
+
+Protocol: held-out queries at scale as in ``rerank_depth.py`` (48-token prompts, 16-token
+continuations from documents of a file that is not indexed), exact ``raw_sum`` and ``cosine_sum``
+from one pass of the model (cached in ``--arrays``); each aggregation with the switch on and off,
+interleaved query by query; strict overlap@10 with exact mode's answer (its near-tie at the cut settled
+as the served default settles it), the relative error of each returned document's score against its
+exact sum (median over the returned documents), seconds per query. 95% bootstrap intervals over
+queries, paired for the difference.
+
+    python -m bench.attribution.sum_aggregations --index runs/scale_b/prefix_0001 \\
+        --heldout runs/scale/corpus/part-006.jsonl --seed 13 --arrays runs/scale/sum_aggregations.npz
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from bench._common import finish, served_ranking
+from bench.attribution.rerank_depth import ci, draw, draw_args
+from prism_tda.engine import Attributor, QueryOptions, QuerySpec, scoring
+from prism_tda.engine.reads import document_table
+
+AGGREGATIONS = ("raw_sum", "cosine_sum")
+
+
+def exact_sums(att: Attributor, queries: list[dict], arrays: Path | None) -> tuple[dict[str, np.ndarray], float]:
+    """Per sum aggregation, (queries, documents) exact scores, and the seconds of their one pass; from
+    ``arrays`` when it holds these queries."""
+    ids = [q["id"] for q in queries]
+    if arrays is not None and arrays.is_file():
+        a = np.load(arrays)
+        if json.loads(str(a["ids"])) == ids:
+            return {k: a[k] for k in AGGREGATIONS}, float(a["seconds"])
+    encoded = [att.encode(QuerySpec(q["prompt"], q["completion"])) for q in queries]
+    t0 = time.perf_counter()
+    scores = att.exact_document_scores(encoded, progress=True)
+    secs = time.perf_counter() - t0
+    out = {k: np.stack([s[k] for s in scores]) for k in AGGREGATIONS}
+    if arrays is not None:
+        arrays.parent.mkdir(parents=True, exist_ok=True)
+        np.savez_compressed(arrays, ids=np.asarray(json.dumps(ids)), seconds=secs, **out)
+    return out, secs
+
+
+def main(argv: list[str] | None = None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    draw_args(ap, exclude="")
+    ap.set_defaults(seed=13)
+    ap.add_argument("--queries", type=int, default=32)
+    ap.add_argument("--out", default="bench/results/sum_aggregations.json")
+    args = ap.parse_args(argv)
+    torch.set_num_threads(os.cpu_count() or 1)
+    att = Attributor.open(args.index)
+    tok = Path(att.manifest.checkpoint) / "tokenizer.json"
+    exclude = [(int(a), int(b)) for a, b in (p.split(":") for p in args.exclude.split(",") if p)]
+    queries = draw(Path(args.heldout), tok, args.queries, args.seed, exclude)
+    ext = document_table(Path(args.index), ["external_id"]).column("external_id").to_pylist()
+    row_of = {str(e): i for i, e in enumerate(ext)}
+    exact, exact_s = exact_sums(att, queries, Path(args.arrays) if args.arrays else None)
+    every = np.ones(att.reader.n_docs, dtype=bool)
+    windows = np.bincount(att.reader.doc_of_seqs(np.arange(att.reader.n_seqs)), minlength=att.reader.n_docs)
+    for q in queries[:2]:  # warm up
+        att.attribute(QuerySpec(q["prompt"], q["completion"]))
+    per: dict[str, dict[str, dict[str, list]]] = {a: {"whole": {}, "earlier": {}} for a in AGGREGATIONS}
+    was = scoring.WHOLE_DOCUMENT_SUMS
+    try:
+        for i, q in enumerate(queries):
+            for agg in AGGREGATIONS:
+                s, second = exact[agg][i], exact["cosine_sum"][i]
+                top = served_ranking(s, second, every, 10)[0][:10]
+                for arm in ("earlier", "whole") if i % 2 else ("whole", "earlier"):  # interleaved
+                    scoring.WHOLE_DOCUMENT_SUMS = arm == "whole"
+                    t0 = time.perf_counter()
+                    res = att.attribute(QuerySpec(q["prompt"], q["completion"]),
+                                        QueryOptions(n_documents=10, aggregation=agg, include_untrained=True,
+                                                     keep_opposed=True))
+                    dt = time.perf_counter() - t0
+                    got = [row_of[d.external_id] for d in res.documents]
+                    err = [abs(d.score / s[r] - 1.0) for d, r in zip(res.documents, got, strict=True) if s[r] != 0]
+                    m = per[agg][arm]
+                    m.setdefault("strict", []).append(len(set(got) & set(top.tolist())) / max(len(top), 1))
+                    m.setdefault("score_error", []).append(float(np.median(err)) if err else 0.0)
+                    m.setdefault("score_error_max", []).append(float(np.max(err)) if err else 0.0)
+                    m.setdefault("seconds", []).append(dt)
+                    m.setdefault("reranked", []).append(res.documents_reranked)
+                    m.setdefault("several_windows", []).append(float(np.mean(windows[got] > 1)) if got else 0.0)
+    finally:
+        scoring.WHOLE_DOCUMENT_SUMS = was
+    rng = np.random.default_rng(0)
+    out: dict = {}
+    for agg in AGGREGATIONS:
+        out[agg] = {}
+        for arm, m in per[agg].items():
+            out[agg][arm] = {"overlap_at_10": ci(np.array(m["strict"]), rng),
+                             "score_relative_error_median": ci(np.array(m["score_error"]), rng),
+                             "score_relative_error_max": round(float(np.max(m["score_error_max"])), 4),
+                             "seconds_median": round(float(np.median(m["seconds"])), 3),
+                             "documents_reranked_mean": round(float(np.mean(m["reranked"])), 1),
+                             "returned_with_several_windows": round(float(np.mean(m["several_windows"])), 3),
+                             "per_query_overlap": [round(x, 2) for x in m["strict"]]}
+        diff = np.array(per[agg]["whole"]["strict"]) - np.array(per[agg]["earlier"]["strict"])
+        out[agg]["overlap_diff_whole_earlier_ci"] = ci(diff, rng)
+    res = {"index": str(args.index), "tokens": att.reader.n_tokens, "documents": att.reader.n_docs,
+           "documents_with_several_windows": round(float(np.mean(windows > 1)), 3),
+           "queries": [q["id"] for q in queries], "seed": args.seed, "exact_pass_seconds": round(exact_s, 1), **out}
+    return finish(res, "attribution/sum_aggregations.py", argv, args.out)
+
+
+if __name__ == "__main__":
+    main()
