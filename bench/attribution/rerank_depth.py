@@ -70,17 +70,41 @@ def draw_args(ap: argparse.ArgumentParser, exclude: str = "2:24,3:48") -> None:
     ap.add_argument("--arrays", help="the exact scores (.npz) of the draw, saved and reused")
 
 
-def open_draw(args: argparse.Namespace, n: int) -> tuple[Attributor, list[dict], np.ndarray, float, dict[str, int]]:
-    """(the index opened, the draw's ``n`` queries, their exact ``cosine_max`` by document, the seconds
-    of that pass, each document's row by external id), from :func:`draw_args`' arguments."""
+def open_queries(args: argparse.Namespace, n: int) -> tuple[Attributor, list[dict], dict[str, int]]:
+    """(the index opened, the draw's ``n`` queries, each document's row by external id), from
+    :func:`draw_args`' arguments."""
     torch.set_num_threads(os.cpu_count() or 1)
     att = Attributor.open(args.index)
     tok = Path(att.manifest.checkpoint) / "tokenizer.json"
     exclude = [(int(a), int(b)) for a, b in (p.split(":") for p in args.exclude.split(",") if p)]
     queries = draw(Path(args.heldout), tok, n, args.seed, exclude)
     ext = document_table(Path(args.index), ["external_id"]).column("external_id").to_pylist()
+    return att, queries, {str(e): i for i, e in enumerate(ext)}
+
+
+def cached_arrays(arrays: Path | None, queries: list[dict], compute) -> tuple[dict[str, np.ndarray], float]:
+    """(named (queries, documents) arrays, the seconds ``compute()`` took to make them): read from
+    ``arrays`` when it holds exactly these queries, else computed and saved there."""
+    ids = [q["id"] for q in queries]
+    if arrays is not None and arrays.is_file():
+        a = np.load(arrays)
+        if json.loads(str(a["ids"])) == ids:
+            return {k: a[k] for k in a.files if k not in ("ids", "seconds")}, float(a["seconds"])
+    t0 = time.perf_counter()
+    out = compute()
+    secs = time.perf_counter() - t0
+    if arrays is not None:
+        arrays.parent.mkdir(parents=True, exist_ok=True)
+        np.savez_compressed(arrays, ids=np.asarray(json.dumps(ids)), seconds=secs, **out)
+    return out, secs
+
+
+def open_draw(args: argparse.Namespace, n: int) -> tuple[Attributor, list[dict], np.ndarray, float, dict[str, int]]:
+    """(the index opened, the draw's ``n`` queries, their exact ``cosine_max`` by document, the seconds
+    of that pass, each document's row by external id), from :func:`draw_args`' arguments."""
+    att, queries, row_of = open_queries(args, n)
     exact, exact_s = exact_scores(att, queries, Path(args.arrays) if args.arrays else None)
-    return att, queries, exact, exact_s, {str(e): i for i, e in enumerate(ext)}
+    return att, queries, exact, exact_s, row_of
 
 
 def arm_summary(m: dict, rng: np.random.Generator, **extra: object) -> dict:

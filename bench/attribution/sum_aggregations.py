@@ -23,18 +23,14 @@ queries, paired for the difference.
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import time
 from pathlib import Path
 
 import numpy as np
-import torch
 
 from bench._common import finish, served_ranking
-from bench.attribution.rerank_depth import ci, draw, draw_args
+from bench.attribution.rerank_depth import cached_arrays, ci, draw_args, open_queries
 from prism_tda.engine import Attributor, QueryOptions, QuerySpec, scoring
-from prism_tda.engine.reads import document_table
 
 AGGREGATIONS = ("raw_sum", "cosine_sum")
 
@@ -42,20 +38,12 @@ AGGREGATIONS = ("raw_sum", "cosine_sum")
 def exact_sums(att: Attributor, queries: list[dict], arrays: Path | None) -> tuple[dict[str, np.ndarray], float]:
     """Per sum aggregation, (queries, documents) exact scores, and the seconds of their one pass; from
     ``arrays`` when it holds these queries."""
-    ids = [q["id"] for q in queries]
-    if arrays is not None and arrays.is_file():
-        a = np.load(arrays)
-        if json.loads(str(a["ids"])) == ids:
-            return {k: a[k] for k in AGGREGATIONS}, float(a["seconds"])
-    encoded = [att.encode(QuerySpec(q["prompt"], q["completion"])) for q in queries]
-    t0 = time.perf_counter()
-    scores = att.exact_document_scores(encoded, progress=True)
-    secs = time.perf_counter() - t0
-    out = {k: np.stack([s[k] for s in scores]) for k in AGGREGATIONS}
-    if arrays is not None:
-        arrays.parent.mkdir(parents=True, exist_ok=True)
-        np.savez_compressed(arrays, ids=np.asarray(json.dumps(ids)), seconds=secs, **out)
-    return out, secs
+    def compute() -> dict[str, np.ndarray]:
+        encoded = [att.encode(QuerySpec(q["prompt"], q["completion"])) for q in queries]
+        scores = att.exact_document_scores(encoded, progress=True)
+        return {k: np.stack([s[k] for s in scores]) for k in AGGREGATIONS}
+
+    return cached_arrays(arrays, queries, compute)
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -65,13 +53,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--queries", type=int, default=32)
     ap.add_argument("--out", default="bench/results/sum_aggregations.json")
     args = ap.parse_args(argv)
-    torch.set_num_threads(os.cpu_count() or 1)
-    att = Attributor.open(args.index)
-    tok = Path(att.manifest.checkpoint) / "tokenizer.json"
-    exclude = [(int(a), int(b)) for a, b in (p.split(":") for p in args.exclude.split(",") if p)]
-    queries = draw(Path(args.heldout), tok, args.queries, args.seed, exclude)
-    ext = document_table(Path(args.index), ["external_id"]).column("external_id").to_pylist()
-    row_of = {str(e): i for i, e in enumerate(ext)}
+    att, queries, row_of = open_queries(args, args.queries)
     exact, exact_s = exact_sums(att, queries, Path(args.arrays) if args.arrays else None)
     every = np.ones(att.reader.n_docs, dtype=bool)
     windows = np.bincount(att.reader.doc_of_seqs(np.arange(att.reader.n_seqs)), minlength=att.reader.n_docs)

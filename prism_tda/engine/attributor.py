@@ -140,16 +140,19 @@ class Attributor:
         return self.encoder.encode(spec)
 
     def candidate_sequences(self, q: Query, n_candidates: int = 256, pre: Preconditioner | None = None,
-                            nprobe: int | None = None, ctx: CallContext | None = None) -> np.ndarray:
+                            nprobe: int | None = None, ctx: CallContext | None = None,
+                            opponents: bool = False) -> np.ndarray:
         """The sequences the fast path's first stages pick for an encoded query: the ``n_candidates``
         nearest by FAISS, and those of the best tokens of the query's posting lists (``pre``: the
-        curvature, default the index's)."""
+        curvature, default the index's); ``opponents``: those pointing the most against the query."""
         pre = pre or self.preconditioner()
-        e = self.reader.query_embedding(q.G * pre.inv.sqrt()) if n_candidates > 0 else None
+        # every first stage is linear in the query's gradient: the most opposed to G are the best for -G
+        G = -q.G if opponents else q.G
+        e = self.reader.query_embedding(G * pre.inv.sqrt()) if n_candidates > 0 else None
         st = self.stages
         token_stage = st.proto_candidates > 0 and st.token_candidates > 0
-        plan = posting_plan(self.reader, q.G, pre, st) if token_stage else None
-        found, posted = self.shards.first_stages(e, n_candidates, nprobe, q.G, pre, plan,
+        plan = posting_plan(self.reader, G, pre, st) if token_stage else None
+        found, posted = self.shards.first_stages(e, n_candidates, nprobe, G, pre, plan,
                                                  st.token_candidates if token_stage else 0, ctx)
         return unique(np.concatenate([found, posted]))
 
@@ -173,7 +176,7 @@ class Attributor:
         last, documents re-ranked); ``seqs``: the candidates when the caller has them already."""
         t0 = time.perf_counter()
         if seqs is None:
-            seqs = self.candidate_sequences(q, opt.n_candidates, pre, opt.nprobe, ctx)
+            seqs = self.candidate_sequences(q, opt.n_candidates, pre, opt.nprobe, ctx, opponents=opt.opponents)
         if ctx is not None:
             ctx.candidates_ms = 1e3 * (time.perf_counter() - t0)
         # the shortlist ranks the approximate scores under the query's aggregation (cosine_match: each

@@ -317,11 +317,12 @@ def test_sum_aggregations_measures_both_rules_against_one_exact_pass(index, tiny
     """bench/attribution/sum_aggregations.py on the tiny index: both rules under both sums on every query,
     the switch put back, the exact sums read back from their arrays; the whole-document rule's scores
     within the codes' error of the exact sums."""
+    import bench.attribution.rerank_depth as rd
     import bench.attribution.sum_aggregations as sa
     from prism_tda.engine import scoring
 
     short = [("A computer", " is a"), ("Love is", " a"), ("The only way to", " be")]
-    monkeypatch.setattr(sa, "draw", lambda *a: [{"prompt": p, "completion": c, "id": str(i)}
+    monkeypatch.setattr(rd, "draw", lambda *a: [{"prompt": p, "completion": c, "id": str(i)}
                                                 for i, (p, c) in enumerate(short)])
     args = ["--index", str(index), "--heldout", str(tiny_corpus), "--queries", "3",
             "--arrays", str(tmp_path / "x.npz"), "--out", str(tmp_path / "r.json")]
@@ -332,6 +333,24 @@ def test_sum_aggregations_measures_both_rules_against_one_exact_pass(index, tiny
             assert len(res[agg][arm]["per_query_overlap"]) == 3
         assert res[agg]["whole"]["score_relative_error_median"][0] < 0.02
     assert sa.main(args)["exact_pass_seconds"] == res["exact_pass_seconds"]
+
+
+def test_opponents_bench_compares_the_served_opponents_with_exact_mode(index, tiny_corpus, tmp_path, monkeypatch):
+    """bench/attribution/opponents.py on the tiny index: the exact pass with the sign reversed read back
+    from its arrays, every query measured under both aggregations, the most opposed found."""
+    import bench.attribution.opponents as op
+    import bench.attribution.rerank_depth as rd
+
+    short = [("A computer", " is a"), ("Love is", " a"), ("The only way to", " be")]
+    monkeypatch.setattr(rd, "draw", lambda *a: [{"prompt": p, "completion": c, "id": str(i)}
+                                                for i, (p, c) in enumerate(short)])
+    args = ["--index", str(index), "--heldout", str(tiny_corpus), "--queries", "3",
+            "--arrays", str(tmp_path / "x.npz"), "--out", str(tmp_path / "r.json")]
+    res = op.main(args)
+    for agg in ("cosine_max", "raw_sum"):
+        assert len(res[agg]["per_query_overlap"]) == 3
+    assert res["overlap_at_10_fast_vs_exact"] >= 0.5
+    assert op.main(args)["exact_pass_seconds"] == res["exact_pass_seconds"]
 
 
 def test_fast_ab_measures_two_option_sets_on_one_slice(index, tiny_corpus, tmp_path, monkeypatch):

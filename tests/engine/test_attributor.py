@@ -169,6 +169,30 @@ def test_opponents_are_negative_and_ordered(att):
     assert [d.score for d in fast.documents] == pytest.approx(scores, rel=1e-4)
 
 
+def test_opponents_first_stages_search_against_the_query(att, monkeypatch):
+    """An opponents query's first stages look for what points against the query (FAISS and the posting
+    lists searched with -G): with few candidates they hold the exact most opposed documents, which a
+    search along the query misses, and the served answer finds them."""
+    from prism_tda.engine.exact import exhaustive
+
+    monkeypatch.setattr(att, "stages", FirstStages(token_candidates=16))
+    trained = att.reader.trained(np.arange(att.reader.n_docs))
+    found = {"against": 0, "along": 0, "served": 0}
+    for spec in (COMPUTER, QuerySpec("Love is", " a"), QuerySpec("The best way to", " get")):
+        q = att.encode(spec)
+        worst = exhaustive(att.model, att.reader, [q], att.preconditioner(), sign=-1.0)[0].scores(-1.0)["cosine_max"]
+        worst[~trained] = np.inf
+        most = set(np.argsort(worst, kind="stable")[:5].tolist())
+        for name, opp in (("against", True), ("along", False)):
+            found[name] += len(most & set(att.reader.doc_of_seqs(att.candidate_sequences(q, 16, opponents=opp)).tolist()))
+        res = att.attribute(spec, QueryOptions(n_documents=5, opponents=True, n_candidates=16, keep_opposed=True,
+                                               tie_break="score"))
+        found["served"] += len(most & {d.doc_id for d in res.documents})
+    # of the 3 x 5 most opposed documents
+    assert found["against"] >= 14 and found["served"] >= 13
+    assert found["along"] <= 5  # what the first stages held before they searched with -G
+
+
 def test_single_target_token_and_generation(att):
     full = att.encode(COMPUTER)
     one = att.encode(QuerySpec("A computer", " is a", target_index=1))
