@@ -289,16 +289,18 @@ class Attributor:
         """The fast path's ranking under a sum aggregation: the re-scored documents by their whole sums
         (``whole``: per document its (raw, cosine) sums), then the other sum, then the lower document id;
         as :func:`rank_documents_with_ties` gives it, each document shown by its best re-scored token."""
-        docs = np.array(sorted(whole), np.int64)
+        tot = document_totals(self.reader, exact, sign)
+        best = tot.best_token(opt.aggregation)
+        # the documents with a re-scored token to show (every one of them, but in a partial answer)
+        ok = (best >= 0) & np.isin(tot.docs, np.fromiter(whole, np.int64, len(whole)))
+        docs, best = tot.docs[ok], best[ok]
         sums = np.array([whole[int(d)] for d in docs], np.float64).reshape(-1, 2)
         score, tie = (sums[:, 0], sums[:, 1]) if opt.aggregation == "raw_sum" else (sums[:, 1], sums[:, 0])
         order = np.lexsort((docs, -(sign * tie), -(sign * score)))
         n = opt.n_documents
         ties = int(near(score[order[n:]], float(score[order[n - 1]])).sum()) if len(order) > n else 0
         take = order[: n + (ties if opt.tie_break == "cosine_sum" else 0)]
-        tot = document_totals(self.reader, exact, sign)
-        best = tot.best_token(opt.aggregation)[np.searchsorted(tot.docs, docs[take])]
-        return [(int(b), float(s)) for b, s in zip(best, score[take], strict=True)], ties
+        return [(int(b), float(s)) for b, s in zip(best[take], score[take], strict=True)], ties
 
     def _copy_targets(self, seqs: np.ndarray, opt: QueryOptions, ctx: CallContext | None) -> np.ndarray:
         """The candidate windows a tied row may be copied to: those the shortlist could rank (trained
