@@ -91,6 +91,10 @@ def test_a_dead_shard_is_named_or_left_out_when_asked(local_ray, single, index):
         for d in res.documents:
             if d.doc_id in exact:
                 assert d.score == pytest.approx(exact[d.doc_id], rel=1e-6)
+        # a sum over whole documents, from the shards that answer
+        summed = att.attribute(QUERIES[0], QueryOptions(n_documents=8, aggregation="raw_sum", allow_partial=True))
+        shard_of = np.searchsorted(single.reader.doc_base, [d.doc_id for d in summed.documents], side="right") - 1
+        assert summed.partial and len(summed.documents) and not set(shard_of.tolist()) & set(gone)
     finally:
         att.close()
 
