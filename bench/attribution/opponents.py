@@ -21,7 +21,6 @@ seconds per query; 95% bootstrap intervals over queries.
 
 from __future__ import annotations
 
-import argparse
 import time
 from pathlib import Path
 
@@ -29,7 +28,7 @@ import numpy as np
 import torch
 
 from bench._common import finish, served_ranking
-from bench.attribution.rerank_depth import TIE, cached_arrays, ci, draw_args, open_queries
+from bench.attribution.rerank_depth import TIE, cached_arrays, ci, open_queries, parse_draw
 from prism_tda.engine import Attributor, QueryOptions, QuerySpec
 from prism_tda.engine.exact import exhaustive
 
@@ -49,12 +48,7 @@ def exact_opponents(att: Attributor, queries: list[dict], arrays: Path | None) -
 
 
 def main(argv: list[str] | None = None) -> dict:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    draw_args(ap, exclude="")
-    ap.set_defaults(seed=14)
-    ap.add_argument("--queries", type=int, default=32)
-    ap.add_argument("--out", default="bench/results/opponents.json")
-    args = ap.parse_args(argv)
+    args = parse_draw(argv, __doc__ or "", 14, "bench/results/opponents.json")
     att, queries, row_of = open_queries(args, args.queries)
     exact, exact_s = exact_opponents(att, queries, Path(args.arrays) if args.arrays else None)
     every = np.ones(att.reader.n_docs, dtype=bool)

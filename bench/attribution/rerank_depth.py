@@ -70,6 +70,17 @@ def draw_args(ap: argparse.ArgumentParser, exclude: str = "2:24,3:48") -> None:
     ap.add_argument("--arrays", help="the exact scores (.npz) of the draw, saved and reused")
 
 
+def parse_draw(argv: list[str] | None, doc: str, seed: int, out: str, queries: int = 32) -> argparse.Namespace:
+    """The arguments of a script over one draw (:func:`draw_args`, no earlier draw left out by default),
+    ``--queries`` of it and ``--out``."""
+    ap = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    draw_args(ap, exclude="")
+    ap.set_defaults(seed=seed)
+    ap.add_argument("--queries", type=int, default=queries)
+    ap.add_argument("--out", default=out)
+    return ap.parse_args(argv)
+
+
 def open_queries(args: argparse.Namespace, n: int) -> tuple[Attributor, list[dict], dict[str, int]]:
     """(the index opened, the draw's ``n`` queries, each document's row by external id), from
     :func:`draw_args`' arguments."""

@@ -22,14 +22,13 @@ queries, paired for the difference.
 
 from __future__ import annotations
 
-import argparse
 import time
 from pathlib import Path
 
 import numpy as np
 
 from bench._common import finish, served_ranking
-from bench.attribution.rerank_depth import cached_arrays, ci, draw_args, open_queries
+from bench.attribution.rerank_depth import cached_arrays, ci, open_queries, parse_draw
 from prism_tda.engine import Attributor, QueryOptions, QuerySpec, scoring
 
 AGGREGATIONS = ("raw_sum", "cosine_sum")
@@ -47,12 +46,7 @@ def exact_sums(att: Attributor, queries: list[dict], arrays: Path | None) -> tup
 
 
 def main(argv: list[str] | None = None) -> dict:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    draw_args(ap, exclude="")
-    ap.set_defaults(seed=13)
-    ap.add_argument("--queries", type=int, default=32)
-    ap.add_argument("--out", default="bench/results/sum_aggregations.json")
-    args = ap.parse_args(argv)
+    args = parse_draw(argv, __doc__ or "", 13, "bench/results/sum_aggregations.json")
     att, queries, row_of = open_queries(args, args.queries)
     exact, exact_s = exact_sums(att, queries, Path(args.arrays) if args.arrays else None)
     every = np.ones(att.reader.n_docs, dtype=bool)

@@ -171,9 +171,10 @@ class Attributor:
         return ExactEstimate(n, n / self._exact_rate, self._exact_rate)
 
     def _fast(self, q: Query, opt: QueryOptions, pre: Preconditioner, ctx: CallContext | None = None,
-              seqs: np.ndarray | None = None) -> tuple[TokenScores, int, list, int, int]:
+              seqs: np.ndarray | None = None) -> tuple[TokenScores, int, list, int, int, np.ndarray | None]:
         """(exact token scores, tokens scored approximately, ranked (best token, score), ties beyond the
-        last, documents re-ranked); ``seqs``: the candidates when the caller has them already."""
+        last, documents re-ranked, under a sum aggregation the ranked documents' (value, cosine_sum)
+        sums, else None); ``seqs``: the candidates when the caller has them already."""
         t0 = time.perf_counter()
         if seqs is None:
             seqs = self.candidate_sequences(q, opt.n_candidates, pre, opt.nprobe, ctx, opponents=opt.opponents)
@@ -274,21 +275,23 @@ class Attributor:
             exact = prefix_copies(self.reader, exact, self._copy_targets(seqs, opt, ctx), opt.aggregation, sign,
                                   opt.n_documents)
         # with the rest of the near-tie at the cut, for it to be settled
+        sums = None
         if summed:
             whole_sums(exact)
-            ranked, ties = self._rank_whole(exact, whole, opt, sign)
+            ranked, ties, sums = self._rank_whole(exact, whole, opt, sign)
         else:
             ranked, ties = rank_documents_with_ties(self.reader, exact, opt.aggregation, opponents=opt.opponents,
                                                     n=opt.n_documents, with_tied=opt.tie_break == "cosine_sum")
         if ctx is not None:
             ctx.rerank_ms = 1e3 * (time.perf_counter() - t1)
-        return exact, short.n_scored, ranked, ties, len(done)
+        return exact, short.n_scored, ranked, ties, len(done), sums
 
     def _rank_whole(self, exact: TokenScores, whole: dict[int, tuple[float, float]], opt: QueryOptions,
-                    sign: float) -> tuple[list[tuple[int, float]], int]:
+                    sign: float) -> tuple[list[tuple[int, float]], int, np.ndarray]:
         """The fast path's ranking under a sum aggregation: the re-scored documents by their whole sums
         (``whole``: per document its (raw, cosine) sums), then the other sum, then the lower document id;
-        as :func:`rank_documents_with_ties` gives it, each document shown by its best re-scored token."""
+        as :func:`rank_documents_with_ties` gives it, each document shown by its best re-scored token,
+        and the ranked documents' sums."""
         tot = document_totals(self.reader, exact, sign)
         best = tot.best_token(opt.aggregation)
         # the documents with a re-scored token to show (every one of them, but in a partial answer)
@@ -300,7 +303,7 @@ class Attributor:
         n = opt.n_documents
         ties = int(near(score[order[n:]], float(score[order[n - 1]])).sum()) if len(order) > n else 0
         take = order[: n + (ties if opt.tie_break == "cosine_sum" else 0)]
-        return [(int(b), float(s)) for b, s in zip(best[take], score[take], strict=True)], ties
+        return [(int(b), float(s)) for b, s in zip(best[take], score[take], strict=True)], ties, sums[take]
 
     def _copy_targets(self, seqs: np.ndarray, opt: QueryOptions, ctx: CallContext | None) -> np.ndarray:
         """The candidate windows a tied row may be copied to: those the shortlist could rank (trained
@@ -358,11 +361,12 @@ class Attributor:
         ctx = CallContext(partial=opt.allow_partial)
         sign = -1.0 if opt.opponents else 1.0
         if opt.mode == "fast":
-            scores, n_scored, ranked, ties, n_exact = self._fast(q, opt, pre, ctx)
-            values, unsettled = None, 0
+            scores, n_scored, ranked, ties, n_exact, sums = self._fast(q, opt, pre, ctx)
+            values, unsettled = None if sums is None else sums[:, 0], 0
             if len(ranked) > opt.n_documents:  # a near-tie at the cut: the documents' summed cosines settle it
-                best = np.array([b for b, _ in ranked], np.int64)
-                sums = self._document_sums(q, pre, scores, token_docs(self.reader, scores)[best], ctx)
+                if sums is None:
+                    best = np.array([b for b, _ in ranked], np.int64)
+                    sums = self._document_sums(q, pre, scores, token_docs(self.reader, scores)[best], ctx)
                 st = settle_near_ties(np.array([sc for _, sc in ranked]), sums[:, 1], opt.n_documents, sign)
                 ranked, values = [ranked[i] for i in st.order], sums[st.order, 0]
                 ties, unsettled = st.tied_beyond, st.unsettled

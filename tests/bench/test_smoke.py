@@ -288,6 +288,18 @@ def test_rerank_depth_chooses_by_its_rule_and_reuses_the_exact_pass(index, tiny_
     assert again["exact_pass_seconds"] == res["exact_pass_seconds"]
 
 
+def three_query_draw(monkeypatch, index, tiny_corpus, tmp_path) -> list[str]:
+    """A draw script's arguments on the tiny index, its draw replaced by three short queries
+    (``rerank_depth.draw``, which every draw script reads through)."""
+    import bench.attribution.rerank_depth as rd
+
+    short = [("A computer", " is a"), ("Love is", " a"), ("The only way to", " be")]
+    monkeypatch.setattr(rd, "draw", lambda *a: [{"prompt": p, "completion": c, "id": str(i)}
+                                                for i, (p, c) in enumerate(short)])
+    return ["--index", str(index), "--heldout", str(tiny_corpus), "--queries", "3", "--exclude", "",
+            "--arrays", str(tmp_path / "x.npz"), "--out", str(tmp_path / "r.json")]
+
+
 @pytest.mark.parametrize("bench, module, switch", [("rows_elsewhere", "prism_tda.engine.shards", "ROWS_ELSEWHERE"),
                                                     ("prefix_copies", "prism_tda.engine.scoring", "PREFIX_COPIES")])
 def test_switch_benches_measure_both_arms_on_the_same_queries(bench, module, switch, index, tiny_corpus, tmp_path,
@@ -296,14 +308,8 @@ def test_switch_benches_measure_both_arms_on_the_same_queries(bench, module, swi
     query, the switch put back afterwards, the exact pass read back from its arrays."""
     import importlib
 
-    import bench.attribution.rerank_depth as rd
-
     b, mod = importlib.import_module(f"bench.attribution.{bench}"), importlib.import_module(module)
-    short = [("A computer", " is a"), ("Love is", " a"), ("The only way to", " be")]
-    monkeypatch.setattr(rd, "draw", lambda *a: [{"prompt": p, "completion": c, "id": str(i)}
-                                                for i, (p, c) in enumerate(short)])
-    args = ["--index", str(index), "--heldout", str(tiny_corpus), "--queries", "3", "--exclude", "",
-            "--arrays", str(tmp_path / "x.npz"), "--out", str(tmp_path / "r.json")]
+    args = three_query_draw(monkeypatch, index, tiny_corpus, tmp_path)
     res = b.main(args)
     assert getattr(mod, switch) is True and res["switch"] == f"{module}.{switch}"
     for arm in ("with", "without"):
@@ -317,15 +323,10 @@ def test_sum_aggregations_measures_both_rules_against_one_exact_pass(index, tiny
     """bench/attribution/sum_aggregations.py on the tiny index: both rules under both sums on every query,
     the switch put back, the exact sums read back from their arrays; the whole-document rule's scores
     within the codes' error of the exact sums."""
-    import bench.attribution.rerank_depth as rd
     import bench.attribution.sum_aggregations as sa
     from prism_tda.engine import scoring
 
-    short = [("A computer", " is a"), ("Love is", " a"), ("The only way to", " be")]
-    monkeypatch.setattr(rd, "draw", lambda *a: [{"prompt": p, "completion": c, "id": str(i)}
-                                                for i, (p, c) in enumerate(short)])
-    args = ["--index", str(index), "--heldout", str(tiny_corpus), "--queries", "3",
-            "--arrays", str(tmp_path / "x.npz"), "--out", str(tmp_path / "r.json")]
+    args = three_query_draw(monkeypatch, index, tiny_corpus, tmp_path)
     res = sa.main(args)
     assert scoring.WHOLE_DOCUMENT_SUMS is True
     for agg in ("raw_sum", "cosine_sum"):
@@ -339,13 +340,8 @@ def test_opponents_bench_compares_the_served_opponents_with_exact_mode(index, ti
     """bench/attribution/opponents.py on the tiny index: the exact pass with the sign reversed read back
     from its arrays, every query measured under both aggregations, the most opposed found."""
     import bench.attribution.opponents as op
-    import bench.attribution.rerank_depth as rd
 
-    short = [("A computer", " is a"), ("Love is", " a"), ("The only way to", " be")]
-    monkeypatch.setattr(rd, "draw", lambda *a: [{"prompt": p, "completion": c, "id": str(i)}
-                                                for i, (p, c) in enumerate(short)])
-    args = ["--index", str(index), "--heldout", str(tiny_corpus), "--queries", "3",
-            "--arrays", str(tmp_path / "x.npz"), "--out", str(tmp_path / "r.json")]
+    args = three_query_draw(monkeypatch, index, tiny_corpus, tmp_path)
     res = op.main(args)
     for agg in ("cosine_max", "raw_sum"):
         assert len(res[agg]["per_query_overlap"]) == 3
