@@ -144,7 +144,12 @@ class DocumentTotals:
         assert self.match_best_tok is not None and self.match_best_raw is not None
         at = self._local(docs)
         sm = sign * match
-        np.maximum.at(self.match_max, (at[:, None], np.arange(match.shape[1])[None, :]), sm)
+        if len(at):  # each document's best per target token: one sort by document and a reduction per run
+            order = np.argsort(at, kind="stable")
+            grp = at[order]
+            start = np.r_[0, np.nonzero(grp[1:] != grp[:-1])[0] + 1]
+            d = grp[start]
+            self.match_max[d] = np.maximum(self.match_max[d], np.maximum.reduceat(sm[order], start, axis=0))
         whole = sm.mean(1)
         top = best_of_groups(at, whole)
         better = whole[top] > self.match_best[at[top]]

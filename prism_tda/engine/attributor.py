@@ -192,8 +192,8 @@ class Attributor:
         if ctx is not None:
             ctx.shortlist_ms = 1e3 * (t1 - t0) - ctx.candidates_ms
         # what re-ranking each shortlisted document takes: the rows of its best sequence to re-score
-        # (None: every row), or with cosine_match every candidate sequence of it (a target token's best
-        # match can sit in any window of the document)
+        # (None: every row), or with cosine_match the windows of its best matches of the target tokens (a
+        # target token's best match can sit in any window of the document)
         units = [(short.match_seqs[i] if match is not None else short.best_seq[i : i + 1],
                   None if m is None else short.tokens[i]) for i in range(len(short.doc))]
         # and each document's best rows in its other candidate sequences (its exact best token can sit

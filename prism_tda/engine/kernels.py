@@ -268,3 +268,20 @@ def best_in_runs(groups: np.ndarray, value: np.ndarray, tie: np.ndarray) -> np.n
         m += 1
         i = j
     return out[:m]
+
+
+@njit(cache=True, nogil=True)
+def target_products(col: np.ndarray, protos: np.ndarray, acts: np.ndarray, M: np.ndarray, out: np.ndarray) -> None:
+    """Add to ``out`` (n, n_targets) each token's influence with each target token's own gradient:
+    for every slot ``s`` of row ``i`` whose prototype ``p`` is active on target ``j`` (``col[j, p]``,
+    -1 where not), ``acts[i, s] * M[i, col[j, p]]``; slot by slot, as the numpy form adds them."""
+    n, k = protos.shape
+    T = col.shape[0]
+    for i in range(n):
+        for s in range(k):
+            p = protos[i, s]
+            a = acts[i, s]
+            for j in range(T):
+                c = col[j, p]
+                if c >= 0:
+                    out[i, j] += a * M[i, c]

@@ -32,6 +32,7 @@ from prism_tda.model import PRISM
 from .aggregate import DocumentTotals
 from .arrays import unique
 from .curvature import self_influence
+from .kernels import target_products
 from .query import Query, Targets
 from .reader import IndexReader, TokenData
 from .reads import Reads
@@ -148,15 +149,10 @@ class TargetColumns:
 
 def target_raw(cols: TargetColumns, protos: np.ndarray, acts: np.ndarray, M: np.ndarray) -> np.ndarray:
     """(n, n_targets) each token's influence with each target token's own gradient, from ``M`` (n, pairs):
-    each token's product with every (target, prototype) column of ``cols``."""
-    n, k = protos.shape
-    out = np.zeros((n, cols.col.shape[0]))
-    rows = np.arange(n)
-    for s in range(k):
-        c = cols.col[:, protos[:, s]]  # (T, n)
-        hit = c >= 0
-        v = np.where(hit, M[rows[None, :], np.where(hit, c, 0)], 0.0)  # (T, n)
-        out += (acts[:, s][None, :] * v).T
+    each token's product with every (target, prototype) column of ``cols`` (compiled,
+    ``kernels.target_products``)."""
+    out = np.zeros((protos.shape[0], cols.col.shape[0]))
+    target_products(cols.col, np.ascontiguousarray(protos), np.ascontiguousarray(acts), np.ascontiguousarray(M), out)
     return out
 
 

@@ -42,6 +42,14 @@ from .types import Aggregation
 # without them)
 ROWS_ELSEWHERE = True
 
+# cosine_match's fast path matches each target token over every window of a document: the shortlist
+# scores every window of the candidates' documents from the codes, and re-ranks each shortlisted document
+# in the windows that hold, for some target token, one of its MATCH_ROWS best rows by approximate match
+# cosine; False: over the candidate windows only, all of them re-ranked (the earlier rule, kept for
+# bench/attribution/match_windows.py)
+WHOLE_DOCUMENT_MATCH = True
+MATCH_ROWS = 2
+
 
 @dataclass
 class Shortlist:
@@ -53,7 +61,7 @@ class Shortlist:
     tie: np.ndarray  # (n,) the measure that breaks equal scores
     best_seq: np.ndarray  # (n,) the sequence of the document's best token
     tokens: list[np.ndarray]  # per document: its best sequence's rows to re-score (empty: all of them)
-    match_seqs: list[np.ndarray]  # per document: every candidate sequence of it (cosine_match), else empty
+    match_seqs: list[np.ndarray]  # per document: the windows to re-rank it in (cosine_match), else empty
     n_scored: int = 0  # tokens scored approximately
     # per document: its best rows in its other candidate sequences (its best token by exact score can sit
     # there), re-scored when their best approximate score could still reach the top; and that score
@@ -165,6 +173,35 @@ def best_rows_per_sequence(reader: IndexReader, approx: TokenScores, seqs: np.nd
     return [np.sort(approx.tok[at[a:b]]) for a, b in zip(*bounds, strict=True)]
 
 
+def best_match_windows(approx: TokenScores, tok_seq: np.ndarray, tok_doc: np.ndarray, docs: np.ndarray,
+                       sign: float, r: int) -> list[np.ndarray]:
+    """For each document of ``docs``, the sequences (ascending) that hold, for some target token, one of
+    its ``r`` best rows among ``approx`` by ``sign`` x approximate cosine with that target (``approx.match``;
+    rows equal to an r-th best count too)."""
+    assert approx.match is not None, "cosine_match was not computed"
+    if not len(docs):
+        return []
+    at = np.nonzero(np.isin(tok_doc, docs))[0]
+    at = at[np.argsort(tok_doc[at], kind="stable")]
+    grp = tok_doc[at]
+    if not len(at):
+        return [np.zeros(0, np.int64) for _ in docs]
+    start = np.r_[0, np.nonzero(grp[1:] != grp[:-1])[0] + 1]
+    run = np.repeat(np.arange(len(start)), np.diff(np.r_[start, len(grp)]))
+    sm = sign * np.asarray(approx.match[at], np.float64)
+    keep = np.zeros(sm.shape, dtype=bool)
+    for _ in range(r):  # each pass: every document's best remaining row per target token
+        best = np.maximum.reduceat(sm, start, axis=0)
+        hit = (sm == best[run]) & np.isfinite(sm)
+        keep |= hit
+        sm = np.where(hit, -np.inf, sm)
+    rows = keep.any(1)
+    pair = np.unique(np.stack([grp[rows], tok_seq[at][rows]], 1), axis=0) if rows.any() \
+        else np.zeros((0, 2), np.int64)
+    bounds = np.searchsorted(pair[:, 0], docs, side="left"), np.searchsorted(pair[:, 0], docs, side="right")
+    return [pair[a:b, 1].astype(np.int64) for a, b in zip(*bounds, strict=True)]
+
+
 def best_rows_elsewhere(reader: IndexReader, approx: TokenScores, docs: np.ndarray, best_seq: np.ndarray,
                         m: int | np.ndarray, sign: float, value: np.ndarray, tok_seq: np.ndarray | None = None,
                         tok_doc: np.ndarray | None = None) -> tuple[list[np.ndarray], list[np.ndarray]]:
@@ -245,12 +282,16 @@ class ShardWorker:
         shards) by their approximate scores under ``aggregation``; for each, the rows of its best
         sequence to re-score exactly (the ``m`` best by approximate cosine; None: all) and its ``m`` best
         rows in its other candidate sequences (``Shortlist.more``), or with ``match`` (the query's
-        target tokens, for ``cosine_match``) every candidate sequence of it. A sum aggregation scores
-        every window of the candidates' documents, not only the candidate windows."""
+        target tokens, for ``cosine_match``) the windows that hold its best matches of the target tokens
+        (:data:`WHOLE_DOCUMENT_MATCH`). A sum aggregation and ``cosine_match`` score every window of the
+        candidates' documents, not only the candidate windows."""
         t0, started = time.perf_counter(), time.time()
         reader = self.reader
         seqs = unique(np.asarray(seqs, np.int64))
-        if aggregation.endswith("_sum") and scoring.WHOLE_DOCUMENT_SUMS:  # a sum is over the whole document: every window of a candidate's
+        whole_match = match is not None and WHOLE_DOCUMENT_MATCH
+        # a sum is over the whole document, and a target token's best match can sit in any window of it:
+        # every window of a candidate's document
+        if (aggregation.endswith("_sum") and scoring.WHOLE_DOCUMENT_SUMS) or whole_match:
             seqs = reader.sequences_of_documents(reader.doc_of_seqs(seqs))
         if not include_untrained:
             seqs = trained_only(reader, seqs)
@@ -265,7 +306,9 @@ class ShardWorker:
             else [np.zeros(0, np.int64) for _ in best_seq]
         match_seqs = [np.zeros(0, np.int64) for _ in best_seq]
         more, more_score = [np.zeros(0, np.int64) for _ in best_seq], [np.zeros(0) for _ in best_seq]
-        if match is not None and len(best_seq):
+        if match is not None and len(best_seq) and whole_match:
+            match_seqs = best_match_windows(approx, tok_seq, tok_doc, docs, sign, MATCH_ROWS)
+        elif match is not None and len(best_seq):
             seq_docs = reader.doc_of_seqs(seqs)
             match_seqs = [seqs[seq_docs == d] for d in docs]
         elif len(best_seq) and aggregation.endswith("_max") and ROWS_ELSEWHERE:

@@ -336,6 +336,23 @@ def test_sum_aggregations_measures_both_rules_against_one_exact_pass(index, tiny
     assert sa.main(args)["exact_pass_seconds"] == res["exact_pass_seconds"]
 
 
+def test_match_windows_measures_both_rules_against_one_exact_pass(index, tiny_corpus, tmp_path, monkeypatch):
+    """bench/attribution/match_windows.py on the tiny index: both rules on every query, the switch and the
+    re-rank's scoring put back, the exact cosine_match read back from its arrays; the windows the re-rank
+    recomputed counted."""
+    import bench.attribution.match_windows as mw
+    from prism_tda.engine import attributor, scoring, shards
+
+    args = three_query_draw(monkeypatch, index, tiny_corpus, tmp_path)
+    res = mw.main(args)
+    assert shards.WHOLE_DOCUMENT_MATCH is True and attributor.exact_scores is scoring.exact_scores
+    for arm in ("whole", "earlier"):
+        assert len(res[arm]["per_query_overlap"]) == 3
+        assert res[arm]["windows_rescored_mean"] > 0
+    assert res["whole"]["overlap_at_10"][0] >= res["earlier"]["overlap_at_10"][0] - 0.1
+    assert mw.main(args)["exact_pass_seconds"] == res["exact_pass_seconds"]
+
+
 def test_opponents_bench_compares_the_served_opponents_with_exact_mode(index, tiny_corpus, tmp_path, monkeypatch):
     """bench/attribution/opponents.py on the tiny index: the exact pass with the sign reversed read back
     from its arrays, every query measured under both aggregations, the most opposed found."""

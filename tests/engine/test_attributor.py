@@ -315,6 +315,37 @@ def test_sum_aggregations_score_every_window_of_a_document(att, monkeypatch):
     assert max(off) > 0.1  # the earlier rule's error on a document of several windows, for contrast
 
 
+def test_cosine_match_matches_each_target_over_every_window_of_a_document(att, monkeypatch):
+    """Under cosine_match a document's fast score takes each target token's best match over all of its
+    windows, as exact mode does: a returned document's score never exceeds its exact one, and the
+    documents of several windows score it (2%) unless a target's best match lay outside the windows the
+    codes pointed to. The earlier rule (the candidate windows only) scored such documents lower."""
+    from prism_tda.engine import shards
+
+    r = att.reader
+    windows = np.bincount(r.doc_of_seqs(np.arange(r.n_seqs)), minlength=r.n_docs)
+    specs = [QuerySpec("A computer", " is a machine that"), QuerySpec("Love is", " a many splendored thing"),
+             QuerySpec("The best way to", " get what you want")]
+    opt = QueryOptions(n_documents=10, aggregation="cosine_match", keep_opposed=True)
+    now: list[float] = []
+    before: list[float] = []
+    for spec in specs:
+        ex = att.document_scores(att.encode(spec), mode="exact", match=True)["cosine_match"]
+        res = att.attribute(spec, opt)
+        assert res.documents
+        for d in res.documents:
+            assert d.score <= ex[d.doc_id] + 1e-4 * abs(ex[d.doc_id])  # a match over fewer rows is never better
+            if windows[d.doc_id] > 1:
+                now.append(abs(d.score / ex[d.doc_id] - 1))
+        monkeypatch.setattr(shards, "WHOLE_DOCUMENT_MATCH", False)
+        earlier = att.attribute(spec, opt)
+        monkeypatch.setattr(shards, "WHOLE_DOCUMENT_MATCH", True)
+        before += [abs(d.score / ex[d.doc_id] - 1) for d in earlier.documents if windows[d.doc_id] > 1]
+    assert now and before, "the check needs documents of several windows"
+    assert np.mean(np.array(now) < 0.02) >= 0.9
+    assert np.mean(np.array(before) < 0.02) < np.mean(np.array(now) < 0.02)
+
+
 def test_documents_whose_value_opposes_the_output_are_left_out(att):
     """By default, of the first n by score, a document whose value (its whole influence) pushes the other
     way is left out and counted; keep_opposed returns them all; with opponents the sign flips."""
