@@ -111,8 +111,12 @@ TARGETS: list[Target] = [
     Target(24, "`overlap_at_10_fast_vs_exact`, strict, the same 48 fresh held-out queries at 5.18M tokens, "
                "against exact mode's answer (its near-tie settled too)", "near_ties_settled_scale.json",
            "overlap_at_10_fast_vs_exact", ">=", 0.9),
-    Target(24, "`near_tie_query_share` (exact `cosine_max` alone, the earlier draw of 24 held-out queries, before "
-               "near-ties were settled)", "near_ties_scale.json", "near_tie_query_share", "<=", 0.1),
+    Target(24, "`near_tie_query_share`, the served answer (a near-tie at the cut settled), the earlier draw: 24 "
+               "held-out queries and 8 planted facts (verbatim and paraphrased) at 5.18M tokens, the queries the "
+               "settling rule was chosen on (re-run 2026-12-06)", "near_ties_scale.json", "near_tie_query_share",
+           "<=", 0.1, "near_tie_query_share_ci95"),
+    Target(24, "`near_tie_query_share`, the score alone (`cosine_max`), the same 40 queries",
+           "near_ties_scale.json", "near_tie_query_share_by_score.cosine_max", "<=", 0.1),
     Target(24, "`overlap_at_10_fast_vs_exact`, strict, 96 held-out queries at 6.22M tokens (the report's draw, "
                "re-asked on the index rebuilt 2026-12-06, near-ties settled in both modes)",
            "scale.json", "overlap_fresh_report.overlap_at_10", ">=", 0.9, "overlap_fresh_report.ci95"),
@@ -123,7 +127,8 @@ TARGETS: list[Target] = [
     Target(24, "`overlap_at_10_fast_vs_exact`, strict, 72 fresh queries at 6.22M tokens (then diagnosed; the "
                "2026-12-05 index, not re-run)",
            "scale.json", "overlap_fresh.overlap_at_10", ">=", 0.9, "overlap_fresh.ci95"),
-    Target(24, "`overlap_at_10_fast_vs_exact`, strict, the near-tie index: 24 held-out queries at 5.18M tokens, asked before (before near-ties were settled)", "near_ties_scale.json",
+    Target(24, "`overlap_at_10_fast_vs_exact`, strict, the near-tie index: the same 24 held-out queries at 5.18M "
+               "tokens (asked many times), near-ties settled in both modes", "near_ties_scale.json",
            "overlap_at_10_fast_vs_exact", ">=", 0.9),
     Target(24, "`canary_recall_at_10_verbatim`", "attribution.json", "canary_recall_at_10_verbatim", "==", 1.0),
     Target(24, "`canary_recall_at_10_paraphrase`", "attribution.json", "canary_recall_at_10_paraphrase", ">=", 0.95),
