@@ -1,6 +1,9 @@
-"""The fast path under ``cosine_match`` against exact mode, with each target token matched over every
-window of a document (``shards.WHOLE_DOCUMENT_MATCH``) and over the candidate windows only (the
-earlier rule).
+"""The fast path under ``cosine_match`` against exact mode, in three arms: each target token matched over
+the candidate windows only (``earlier``: the earlier rule), over every window of a document
+(``whole``: ``shards.WHOLE_DOCUMENT_MATCH``, every candidate's document), and the served setting
+(``served``): first stages that also read each target token's own posting lists
+(``attributor.MATCH_TARGET_TOKENS``), and every window of the documents shortlisted by their match over
+the candidate windows (``shards.MATCH_SHORTLIST_FIRST``).
 
 ``cosine_match`` scores a document by the mean over the query's target tokens of each one's best cosine
 in the document. Exact mode takes that best over every window of the document. The earlier fast path
@@ -8,7 +11,9 @@ took it over the document's *candidate* windows (those the first stages found), 
 a target token whose best match sits in another window was matched worse than exact mode matches it.
 With the switch on, the shortlist scores every window of the candidates' documents from the codes, and
 a shortlisted document re-ranks in the windows that hold one of its ``shards.MATCH_ROWS`` best rows per
-target token by approximate match cosine.
+target token by approximate match cosine. The first stages rank tokens against the whole query; a
+document that matches every target token well need not hold one token close to the whole query, so the
+served setting also takes each target token's ``MATCH_TARGET_TOKENS`` best tokens from its own lists.
 
 Protocol: held-out queries at scale as in ``rerank_depth.py`` (48-token prompts, 16-token
 continuations from documents of a file that is not indexed), exact ``cosine_match`` (and ``cosine_sum``,
@@ -34,7 +39,10 @@ from bench.attribution.rerank_depth import cached_arrays, ci, open_queries, pars
 from prism_tda.engine import Attributor, QueryOptions, QuerySpec, shards
 from prism_tda.engine import attributor as attributor_module
 
-ARMS = ("earlier", "whole")
+ARMS = ("earlier", "whole", "served")
+# (shards.WHOLE_DOCUMENT_MATCH, attributor.MATCH_TARGET_TOKENS, shards.MATCH_SHORTLIST_FIRST)
+SETTINGS = {"earlier": (False, 0, False), "whole": (True, 0, False),
+            "served": (True, attributor_module.MATCH_TARGET_TOKENS, shards.MATCH_SHORTLIST_FIRST)}
 
 
 def exact_match(att: Attributor, queries: list[dict], arrays: Path | None) -> tuple[dict[str, np.ndarray], float]:
@@ -58,7 +66,8 @@ def main(argv: list[str] | None = None) -> dict:
     for q in queries[:2]:  # warm up
         att.attribute(QuerySpec(q["prompt"], q["completion"]), opt)
     per: dict[str, dict[str, list]] = {a: {} for a in ARMS}
-    was, scores_of = shards.WHOLE_DOCUMENT_MATCH, attributor_module.exact_scores
+    was = (shards.WHOLE_DOCUMENT_MATCH, attributor_module.MATCH_TARGET_TOKENS, shards.MATCH_SHORTLIST_FIRST)
+    scores_of = attributor_module.exact_scores
     rescored = [0]
 
     def counted(model, reader, G, pre, seqs, **kw):  # the windows the re-rank recomputes
@@ -71,7 +80,8 @@ def main(argv: list[str] | None = None) -> dict:
             s = exact["cosine_match"][i]
             top = served_ranking(s, exact["cosine_sum"][i], every, 10)[0][:10]
             for arm in ARMS if i % 2 else ARMS[::-1]:  # interleaved
-                shards.WHOLE_DOCUMENT_MATCH = arm == "whole"
+                shards.WHOLE_DOCUMENT_MATCH, attributor_module.MATCH_TARGET_TOKENS, shards.MATCH_SHORTLIST_FIRST = \
+                    SETTINGS[arm]
                 rescored[0] = 0
                 t0 = time.perf_counter()
                 res = att.attribute(QuerySpec(q["prompt"], q["completion"]), opt)
@@ -87,7 +97,8 @@ def main(argv: list[str] | None = None) -> dict:
                 m.setdefault("windows_rescored", []).append(rescored[0])
                 m.setdefault("several_windows", []).append(float(np.mean(windows[got] > 1)) if got else 0.0)
     finally:
-        shards.WHOLE_DOCUMENT_MATCH, attributor_module.exact_scores = was, scores_of
+        shards.WHOLE_DOCUMENT_MATCH, attributor_module.MATCH_TARGET_TOKENS, shards.MATCH_SHORTLIST_FIRST = was
+        attributor_module.exact_scores = scores_of
     rng = np.random.default_rng(0)
     out: dict = {}
     for arm, m in per.items():
@@ -99,11 +110,16 @@ def main(argv: list[str] | None = None) -> dict:
                     "windows_rescored_mean": round(float(np.mean(m["windows_rescored"])), 1),
                     "returned_with_several_windows": round(float(np.mean(m["several_windows"])), 3),
                     "per_query_overlap": [round(x, 2) for x in m["strict"]]}
-    diff = np.array(per["whole"]["strict"]) - np.array(per["earlier"]["strict"])
+    def diff(a: str, b: str) -> list:
+        return ci(np.array(per[a]["strict"]) - np.array(per[b]["strict"]), rng)
+
     res = {"index": str(args.index), "tokens": att.reader.n_tokens, "documents": att.reader.n_docs,
            "documents_with_several_windows": round(float(np.mean(windows > 1)), 3),
            "queries": [q["id"] for q in queries], "seed": args.seed, "match_rows": shards.MATCH_ROWS,
-           "exact_pass_seconds": round(exact_s, 1), **out, "overlap_diff_whole_earlier_ci": ci(diff, rng)}
+           "match_target_tokens": SETTINGS["served"][1], "exact_pass_seconds": round(exact_s, 1), **out,
+           "overlap_diff_whole_earlier_ci": diff("whole", "earlier"),
+           "overlap_diff_served_whole_ci": diff("served", "whole"),
+           "overlap_at_10_fast_vs_exact": out["served"]["overlap_at_10"][0]}
     return finish(res, "attribution/match_windows.py", argv, args.out)
 
 

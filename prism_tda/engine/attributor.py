@@ -75,6 +75,12 @@ from .types import (
     Timings,
 )
 
+# cosine_match's first stages also read each target token's own posting lists: its MATCH_TARGET_TOKENS
+# best tokens join the candidates, each target reading a MATCH_TARGET_BUDGET_DIVISOR-th of the rows the
+# whole query may read (0: the whole query's stages only; bench/attribution/match_windows.py measures both)
+MATCH_TARGET_TOKENS = 128
+MATCH_TARGET_BUDGET_DIVISOR = 4
+
 
 class Attributor:
     """An index, the checkpoint it was built from, and the queries it answers."""
@@ -141,20 +147,33 @@ class Attributor:
 
     def candidate_sequences(self, q: Query, n_candidates: int = 256, pre: Preconditioner | None = None,
                             nprobe: int | None = None, ctx: CallContext | None = None,
-                            opponents: bool = False) -> np.ndarray:
+                            opponents: bool = False, per_target: bool = False) -> np.ndarray:
         """The sequences the fast path's first stages pick for an encoded query: the ``n_candidates``
         nearest by FAISS, and those of the best tokens of the query's posting lists (``pre``: the
-        curvature, default the index's); ``opponents``: those pointing the most against the query."""
+        curvature, default the index's); ``opponents``: those pointing the most against the query;
+        ``per_target`` (``cosine_match``): also those of each target token's own best tokens
+        (:data:`MATCH_TARGET_TOKENS`)."""
         pre = pre or self.preconditioner()
         # every first stage is linear in the query's gradient: the most opposed to G are the best for -G
-        G = -q.G if opponents else q.G
+        sign = -1.0 if opponents else 1.0
+        G = sign * q.G
         e = self.reader.query_embedding(G * pre.inv.sqrt()) if n_candidates > 0 else None
         st = self.stages
         token_stage = st.proto_candidates > 0 and st.token_candidates > 0
         plan = posting_plan(self.reader, G, pre, st) if token_stage else None
         found, posted = self.shards.first_stages(e, n_candidates, nprobe, G, pre, plan,
                                                  st.token_candidates if token_stage else 0, ctx)
-        return unique(np.concatenate([found, posted]))
+        parts = [found, posted]
+        if per_target and token_stage and MATCH_TARGET_TOKENS > 0 and q.n_targets > 1:
+            # cosine_match matches each target token on its own: a document that matches every target
+            # token well need not hold one token close to the whole query
+            each = dataclasses.replace(st, row_budget=max(1, st.row_budget // MATCH_TARGET_BUDGET_DIVISOR))
+            for j in range(q.n_targets):
+                Gj = sign * q.target_G(j)
+                plan_j = posting_plan(self.reader, Gj, pre, each)
+                if plan_j is not None:
+                    parts.append(self.shards.first_stages(None, 0, nprobe, Gj, pre, plan_j, MATCH_TARGET_TOKENS, ctx)[1])
+        return unique(np.concatenate(parts))
 
     def check_exact(self) -> None:
         if self.exact_token_limit is not None and self.reader.n_tokens > self.exact_token_limit:
@@ -177,7 +196,8 @@ class Attributor:
         sums, else None); ``seqs``: the candidates when the caller has them already."""
         t0 = time.perf_counter()
         if seqs is None:
-            seqs = self.candidate_sequences(q, opt.n_candidates, pre, opt.nprobe, ctx, opponents=opt.opponents)
+            seqs = self.candidate_sequences(q, opt.n_candidates, pre, opt.nprobe, ctx, opponents=opt.opponents,
+                                            per_target=opt.aggregation == "cosine_match")
         if ctx is not None:
             ctx.candidates_ms = 1e3 * (time.perf_counter() - t0)
         # the shortlist ranks the approximate scores under the query's aggregation (cosine_match: each

@@ -46,9 +46,12 @@ ROWS_ELSEWHERE = True
 # scores every window of the candidates' documents from the codes, and re-ranks each shortlisted document
 # in the windows that hold, for some target token, one of its MATCH_ROWS best rows by approximate match
 # cosine; False: over the candidate windows only, all of them re-ranked (the earlier rule, kept for
-# bench/attribution/match_windows.py)
+# bench/attribution/match_windows.py). MATCH_SHORTLIST_FIRST: every window of the n best documents by
+# their match over the candidate windows only, rather than of every candidate's document (the first
+# stages' per-target candidates, attributor.MATCH_TARGET_TOKENS, make the latter several times dearer)
 WHOLE_DOCUMENT_MATCH = True
 MATCH_ROWS = 2
+MATCH_SHORTLIST_FIRST = True
 
 
 @dataclass
@@ -291,13 +294,20 @@ class ShardWorker:
         whole_match = match is not None and WHOLE_DOCUMENT_MATCH
         # a sum is over the whole document, and a target token's best match can sit in any window of it:
         # every window of a candidate's document
-        if (aggregation.endswith("_sum") and scoring.WHOLE_DOCUMENT_SUMS) or whole_match:
+        sign = -1.0 if opponents else 1.0
+        if (aggregation.endswith("_sum") and scoring.WHOLE_DOCUMENT_SUMS) or (whole_match and not MATCH_SHORTLIST_FIRST):
             seqs = reader.sequences_of_documents(reader.doc_of_seqs(seqs))
         if not include_untrained:
             seqs = trained_only(reader, seqs)
         seqs = not_removed(reader, seqs)
+        if whole_match and MATCH_SHORTLIST_FIRST and len(seqs):
+            # the n best documents by their match over the candidate windows (a lower bound of their
+            # match over every window), then every window of those
+            first = approx_scores(reader, G, pre, reader.rows_of_sequences(seqs), match=match)
+            first_doc = reader.doc_of_seqs(reader.seq_of_tokens(first.tok))
+            top = ranked_documents(reader, first, aggregation, sign=sign, n=n, docs=first_doc)[0]
+            seqs = not_removed(reader, reader.sequences_of_documents(unique(first_doc[top])))
         approx = approx_scores(reader, G, pre, reader.rows_of_sequences(seqs), match=match)
-        sign = -1.0 if opponents else 1.0
         tok_seq = reader.seq_of_tokens(approx.tok)  # each scored row's sequence and document, read once
         tok_doc = reader.doc_of_seqs(tok_seq)
         best, score, tie = ranked_documents(reader, approx, aggregation, sign=sign, n=n, docs=tok_doc)

@@ -346,6 +346,24 @@ def test_cosine_match_matches_each_target_over_every_window_of_a_document(att, m
     assert np.mean(np.array(before) < 0.02) < np.mean(np.array(now) < 0.02)
 
 
+def test_cosine_match_first_stages_read_each_target_tokens_lists(att, monkeypatch):
+    """Under cosine_match the first stages add each target token's own best tokens to the whole query's
+    candidates (a superset, larger for some query); 0 turns it off."""
+    from prism_tda.engine import attributor
+
+    grew = 0
+    for spec in (QuerySpec("A computer", " is a machine that"), QuerySpec("Love is", " a many splendored thing")):
+        q = att.encode(spec)
+        base = att.candidate_sequences(q)
+        both = att.candidate_sequences(q, per_target=True)
+        assert np.isin(base, both).all()
+        grew += len(both) > len(base)
+        monkeypatch.setattr(attributor, "MATCH_TARGET_TOKENS", 0)
+        assert np.array_equal(att.candidate_sequences(q, per_target=True), base)
+        monkeypatch.setattr(attributor, "MATCH_TARGET_TOKENS", 128)
+    assert grew
+
+
 def test_documents_whose_value_opposes_the_output_are_left_out(att):
     """By default, of the first n by score, a document whose value (its whole influence) pushes the other
     way is left out and counted; keep_opposed returns them all; with opponents the sign flips."""
