@@ -1,6 +1,8 @@
-"""The fast path under the sum aggregations (``raw_sum``, ``cosine_sum``) against exact mode, with a
-document scored over all of its windows (``scoring.WHOLE_DOCUMENT_SUMS``) and over its candidate
-windows and re-ranked window only (the earlier rule).
+"""The fast path under the sum aggregations (``raw_sum``, ``cosine_sum``) against exact mode, in three
+arms: a document scored over its candidate windows and re-ranked window only (``earlier``: the earlier
+rule), over all of its windows (``whole``: ``scoring.WHOLE_DOCUMENT_SUMS``), and that with first stages
+that also take the documents whose posting-list rows sum highest (``served``:
+``attributor.SUM_DOCUMENTS``, the served setting).
 
 Exact mode sums a document's token scores over every window of it. The earlier fast path shortlisted
 by the sums over the candidate windows and scored a re-ranked document by its re-ranked window alone,
@@ -30,8 +32,12 @@ import numpy as np
 from bench._common import finish, served_ranking
 from bench.attribution.rerank_depth import cached_arrays, ci, open_queries, parse_draw
 from prism_tda.engine import Attributor, QueryOptions, QuerySpec, scoring
+from prism_tda.engine import attributor as attributor_module
 
 AGGREGATIONS = ("raw_sum", "cosine_sum")
+ARMS = ("earlier", "whole", "served")
+# (scoring.WHOLE_DOCUMENT_SUMS, attributor.SUM_DOCUMENTS)
+SETTINGS = {"earlier": (False, 0), "whole": (True, 0), "served": (True, attributor_module.SUM_DOCUMENTS)}
 
 
 def exact_sums(att: Attributor, queries: list[dict], arrays: Path | None) -> tuple[dict[str, np.ndarray], float]:
@@ -53,15 +59,15 @@ def main(argv: list[str] | None = None) -> dict:
     windows = np.bincount(att.reader.doc_of_seqs(np.arange(att.reader.n_seqs)), minlength=att.reader.n_docs)
     for q in queries[:2]:  # warm up
         att.attribute(QuerySpec(q["prompt"], q["completion"]))
-    per: dict[str, dict[str, dict[str, list]]] = {a: {"whole": {}, "earlier": {}} for a in AGGREGATIONS}
-    was = scoring.WHOLE_DOCUMENT_SUMS
+    per: dict[str, dict[str, dict[str, list]]] = {a: {arm: {} for arm in ARMS} for a in AGGREGATIONS}
+    was = scoring.WHOLE_DOCUMENT_SUMS, attributor_module.SUM_DOCUMENTS
     try:
         for i, q in enumerate(queries):
             for agg in AGGREGATIONS:
                 s, second = exact[agg][i], exact["cosine_sum"][i]
                 top = served_ranking(s, second, every, 10)[0][:10]
-                for arm in ("earlier", "whole") if i % 2 else ("whole", "earlier"):  # interleaved
-                    scoring.WHOLE_DOCUMENT_SUMS = arm == "whole"
+                for arm in ARMS if i % 2 else ARMS[::-1]:  # interleaved
+                    scoring.WHOLE_DOCUMENT_SUMS, attributor_module.SUM_DOCUMENTS = SETTINGS[arm]
                     t0 = time.perf_counter()
                     res = att.attribute(QuerySpec(q["prompt"], q["completion"]),
                                         QueryOptions(n_documents=10, aggregation=agg, include_untrained=True,
@@ -77,7 +83,7 @@ def main(argv: list[str] | None = None) -> dict:
                     m.setdefault("reranked", []).append(res.documents_reranked)
                     m.setdefault("several_windows", []).append(float(np.mean(windows[got] > 1)) if got else 0.0)
     finally:
-        scoring.WHOLE_DOCUMENT_SUMS = was
+        scoring.WHOLE_DOCUMENT_SUMS, attributor_module.SUM_DOCUMENTS = was
     rng = np.random.default_rng(0)
     out: dict = {}
     for agg in AGGREGATIONS:
@@ -90,11 +96,13 @@ def main(argv: list[str] | None = None) -> dict:
                              "documents_reranked_mean": round(float(np.mean(m["reranked"])), 1),
                              "returned_with_several_windows": round(float(np.mean(m["several_windows"])), 3),
                              "per_query_overlap": [round(x, 2) for x in m["strict"]]}
-        diff = np.array(per[agg]["whole"]["strict"]) - np.array(per[agg]["earlier"]["strict"])
-        out[agg]["overlap_diff_whole_earlier_ci"] = ci(diff, rng)
+        for a, b in (("whole", "earlier"), ("served", "whole")):
+            diff = np.array(per[agg][a]["strict"]) - np.array(per[agg][b]["strict"])
+            out[agg][f"overlap_diff_{a}_{b}_ci"] = ci(diff, rng)
     res = {"index": str(args.index), "tokens": att.reader.n_tokens, "documents": att.reader.n_docs,
            "documents_with_several_windows": round(float(np.mean(windows > 1)), 3),
-           "queries": [q["id"] for q in queries], "seed": args.seed, "exact_pass_seconds": round(exact_s, 1), **out}
+           "queries": [q["id"] for q in queries], "seed": args.seed, "sum_documents": SETTINGS["served"][1],
+           "exact_pass_seconds": round(exact_s, 1), **out}
     return finish(res, "attribution/sum_aggregations.py", argv, args.out)
 
 

@@ -32,6 +32,7 @@ from prism_tda.errors import PrismError, QueryError, check_stop
 from prism_tda.model import checkpoint as ckpt
 
 from . import layout, scoring
+from . import shards as shards_module
 from .aggregate import NEAR_TIE, near, settle_near_ties
 from .arrays import index_in, unique
 from .candidates import FirstStages, posting_plan
@@ -80,6 +81,10 @@ from .types import (
 # whole query may read (0: the whole query's stages only; bench/attribution/match_windows.py measures both)
 MATCH_TARGET_TOKENS = 128
 MATCH_TARGET_BUDGET_DIVISOR = 4
+# a sum aggregation's first stages also take every window of the SUM_DOCUMENTS documents whose rows read
+# from the posting lists sum highest under it (the rows the token stage scores anyway; 0: the best tokens'
+# windows only; bench/attribution/sum_aggregations.py measures both)
+SUM_DOCUMENTS = 256
 
 
 class Attributor:
@@ -147,12 +152,13 @@ class Attributor:
 
     def candidate_sequences(self, q: Query, n_candidates: int = 256, pre: Preconditioner | None = None,
                             nprobe: int | None = None, ctx: CallContext | None = None,
-                            opponents: bool = False, per_target: bool = False) -> np.ndarray:
+                            opponents: bool = False, per_target: bool = False, sums: str | None = None) -> np.ndarray:
         """The sequences the fast path's first stages pick for an encoded query: the ``n_candidates``
         nearest by FAISS, and those of the best tokens of the query's posting lists (``pre``: the
         curvature, default the index's); ``opponents``: those pointing the most against the query;
         ``per_target`` (``cosine_match``): also those of each target token's own best tokens
-        (:data:`MATCH_TARGET_TOKENS`)."""
+        (:data:`MATCH_TARGET_TOKENS`); ``sums`` ("raw" or "cosine", the sum aggregations): also every
+        window of the :data:`SUM_DOCUMENTS` documents whose rows read from the posting lists sum highest."""
         pre = pre or self.preconditioner()
         # every first stage is linear in the query's gradient: the most opposed to G are the best for -G
         sign = -1.0 if opponents else 1.0
@@ -161,9 +167,13 @@ class Attributor:
         st = self.stages
         token_stage = st.proto_candidates > 0 and st.token_candidates > 0
         plan = posting_plan(self.reader, G, pre, st) if token_stage else None
-        found, posted = self.shards.first_stages(e, n_candidates, nprobe, G, pre, plan,
-                                                 st.token_candidates if token_stage else 0, ctx)
+        summing = sums if SUM_DOCUMENTS > 0 else None
+        found, posted, summed = self.shards.first_stages(e, n_candidates, nprobe, G, pre, plan,
+                                                         st.token_candidates if token_stage else 0, ctx,
+                                                         sums=summing, n_summed=SUM_DOCUMENTS if summing else 0)
         parts = [found, posted]
+        if len(summed):
+            parts.append(self.reader.sequences_of_documents(summed))
         if per_target and token_stage and MATCH_TARGET_TOKENS > 0 and q.n_targets > 1:
             # cosine_match matches each target token on its own: a document that matches every target
             # token well need not hold one token close to the whole query
@@ -196,14 +206,24 @@ class Attributor:
         sums, else None); ``seqs``: the candidates when the caller has them already."""
         t0 = time.perf_counter()
         if seqs is None:
+            by_sums = {"raw_sum": "raw", "cosine_sum": "cosine"}.get(opt.aggregation) if scoring.WHOLE_DOCUMENT_SUMS \
+                else None
             seqs = self.candidate_sequences(q, opt.n_candidates, pre, opt.nprobe, ctx, opponents=opt.opponents,
-                                            per_target=opt.aggregation == "cosine_match")
+                                            per_target=opt.aggregation == "cosine_match", sums=by_sums)
         if ctx is not None:
             ctx.candidates_ms = 1e3 * (time.perf_counter() - t0)
         # the shortlist ranks the approximate scores under the query's aggregation (cosine_match: each
         # target token's cosines from the decoded token vectors)
         m = opt.exact_tokens if opt.aggregation.endswith("_max") else None
         match = q if opt.aggregation == "cosine_match" else None
+        scored_first = 0  # rows scored by a first shortlist
+        if match is not None and shards_module.WHOLE_DOCUMENT_MATCH and shards_module.MATCH_SHORTLIST_FIRST:
+            # the best documents by their match over the candidate windows, then every window of those
+            first = self.shards.shortlist(q.G, pre, seqs, opt.aggregation, opponents=opt.opponents,
+                                          n=max(opt.exact_rerank, opt.n_documents), m=None, match=match.targets,
+                                          include_untrained=opt.include_untrained, ctx=ctx, whole=False)
+            seqs = seqs[np.isin(self.reader.doc_of_seqs(seqs), first.doc)]
+            scored_first = first.n_scored
         short = self.shards.shortlist(q.G, pre, seqs, opt.aggregation, opponents=opt.opponents,
                                       n=max(opt.exact_rerank, opt.n_documents), m=m,
                                       match=None if match is None else match.targets,
@@ -304,7 +324,7 @@ class Attributor:
                                                     n=opt.n_documents, with_tied=opt.tie_break == "cosine_sum")
         if ctx is not None:
             ctx.rerank_ms = 1e3 * (time.perf_counter() - t1)
-        return exact, short.n_scored, ranked, ties, len(done), sums
+        return exact, short.n_scored + scored_first, ranked, ties, len(done), sums
 
     def _rank_whole(self, exact: TokenScores, whole: dict[int, tuple[float, float]], opt: QueryOptions,
                     sign: float) -> tuple[list[tuple[int, float]], int, np.ndarray]:

@@ -100,12 +100,18 @@ def read_postings(reader: IndexReader, plan: PostingPlan | None) -> np.ndarray:
 
 
 def best_posting_tokens(reader: IndexReader, G: torch.Tensor, pre: Preconditioner, plan: PostingPlan | None,
-                        n: int) -> tuple[np.ndarray, np.ndarray]:
+                        n: int, sums: str | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     """(rows, approximate cosines) of the ``n`` best-scoring tokens of the planned lists in the open
-    shards, best first (equal cosines: lower row first, so parts read apart merge into one answer)."""
+    shards, best first (equal cosines: lower row first, so parts read apart merge into one answer); and
+    with ``sums`` ("raw" or "cosine"), every document's sum of those scores over the rows read (documents
+    ascending, their sums), else two empty arrays."""
     tok = read_postings(reader, plan)
+    none = np.zeros(0, np.int64), np.zeros(0)
     if not len(tok):
-        return tok, np.zeros(0)
+        return tok, np.zeros(0), *none
     s = approx_scores(reader, G, pre, tok)
     top = best_first(s.cos, s.tok, n)
-    return s.tok[top], s.cos[top]
+    if sums is None:
+        return s.tok[top], s.cos[top], *none
+    docs, at = np.unique(reader.doc_of_seqs(reader.seq_of_tokens(s.tok)), return_inverse=True)
+    return s.tok[top], s.cos[top], docs, np.bincount(at, weights=s.raw if sums == "raw" else s.cos, minlength=len(docs))

@@ -45,6 +45,7 @@ from .shards import (
     ShardWorker,
     Shortlist,
     merge_best_tokens,
+    merge_document_sums,
     merge_search,
     merge_shortlists,
     place_shards,
@@ -224,15 +225,16 @@ class RayShards:
 
     # ------------------------------------------------------------------------ the query's steps
     def first_stages(self, e: np.ndarray | None, n: int, nprobe: int | None, G: torch.Tensor, pre: Preconditioner,
-                     plan: PostingPlan | None, n_tokens: int,
-                     ctx: CallContext | None = None) -> tuple[np.ndarray, np.ndarray]:
-        parts = self.everyone("first_stages", e, n, nprobe, G, pre.damping, plan, n_tokens, ctx=ctx)
-        return merge_search([p[0] for p in parts], n), merge_best_tokens([p[1] for p in parts], n_tokens)
+                     plan: PostingPlan | None, n_tokens: int, ctx: CallContext | None = None,
+                     sums: str | None = None, n_summed: int = 0) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        parts = self.everyone("first_stages", e, n, nprobe, G, pre.damping, plan, n_tokens, sums, ctx=ctx)
+        return (merge_search([p[0] for p in parts], n), merge_best_tokens([p[1] for p in parts], n_tokens),
+                merge_document_sums([p[2] for p in parts], n_summed))
 
     def shortlist(self, G: torch.Tensor, pre: Preconditioner, seqs: np.ndarray, aggregation: Aggregation, *,
                   opponents: bool, n: int, m: int | None, match: Targets | None, include_untrained: bool,
-                  ctx: CallContext | None = None) -> Shortlist:
-        kw = dict(opponents=opponents, n=n, m=m, match=match, include_untrained=include_untrained)
+                  ctx: CallContext | None = None, whole: bool = True) -> Shortlist:
+        kw = dict(opponents=opponents, n=n, m=m, match=match, include_untrained=include_untrained, whole=whole)
         parts = self.call({g: ("shortlist", (G, pre.damping, s, aggregation), kw)
                            for g, s in self.split(unique(seqs), self.seq_base).items()}, ctx)
         return merge_shortlists(list(parts.values()), n, -1.0 if opponents else 1.0)

@@ -47,8 +47,9 @@ ROWS_ELSEWHERE = True
 # in the windows that hold, for some target token, one of its MATCH_ROWS best rows by approximate match
 # cosine; False: over the candidate windows only, all of them re-ranked (the earlier rule, kept for
 # bench/attribution/match_windows.py). MATCH_SHORTLIST_FIRST: every window of the n best documents by
-# their match over the candidate windows only, rather than of every candidate's document (the first
-# stages' per-target candidates, attributor.MATCH_TARGET_TOKENS, make the latter several times dearer)
+# their match over the candidate windows only (a first shortlist, merged over the shard holders as any
+# is), rather than of every candidate's document (the first stages' per-target candidates,
+# attributor.MATCH_TARGET_TOKENS, make the latter several times dearer)
 WHOLE_DOCUMENT_MATCH = True
 MATCH_ROWS = 2
 MATCH_SHORTLIST_FIRST = True
@@ -108,6 +109,16 @@ def merge_best_tokens(parts: list[tuple[np.ndarray, np.ndarray, np.ndarray]], n:
         return np.zeros(0, np.int64)
     tok, cos, seq = (np.concatenate([p[i] for p in parts]) for i in range(3))
     return seq[np.lexsort((tok, -cos))[:n]]
+
+
+def merge_document_sums(parts: list[tuple[np.ndarray, np.ndarray]], n: int) -> np.ndarray:
+    """The ``n`` documents of the highest sums over parts read apart (each part: documents, sums; a
+    document's rows lie in one shard, so its sum is in one part), highest first (equal: lower id)."""
+    parts = [p for p in parts if len(p[0])]
+    if not parts or n <= 0:
+        return np.zeros(0, np.int64)
+    docs, total = np.concatenate([p[0] for p in parts]), np.concatenate([p[1] for p in parts])
+    return docs[np.lexsort((docs, -total))[:n]]
 
 
 @dataclass
@@ -263,50 +274,46 @@ class ShardWorker:
 
     # ------------------------------------------------------------------------ first stages
     def first_stages(self, e: np.ndarray | None, n: int, nprobe: int | None, G: torch.Tensor, pre: Preconditioner,
-                     plan: PostingPlan | None, n_tokens: int) -> tuple[tuple, tuple]:
+                     plan: PostingPlan | None, n_tokens: int, sums: str | None = None) -> tuple[tuple, tuple, tuple]:
         """Both first stages in one call: ((similarities, sequences) of the ``n`` nearest by FAISS,
         (rows, approximate cosines, sequences) of the ``n_tokens`` best tokens of the planned posting
-        lists); a stage whose input is None answers nothing."""
+        lists, (documents, sums) of the rows read under ``sums``: "raw" or "cosine", else empty); a stage
+        whose input is None answers nothing."""
         t0, started = time.perf_counter(), time.time()
         none: tuple = (np.zeros(0), np.zeros(0, np.int64))
         found = self.reader.search_embedding(e, n, nprobe) if e is not None and n > 0 else none
         post = none + (np.zeros(0, np.int64),)
+        summed: tuple = (np.zeros(0, np.int64), np.zeros(0))
         if plan is not None and n_tokens > 0:
-            tok, cos = best_posting_tokens(self.reader, G, pre, plan, n_tokens)
-            post = (tok, cos, self.reader.seq_of_tokens(tok))
+            tok, cos, docs, total = best_posting_tokens(self.reader, G, pre, plan, n_tokens, sums)
+            post, summed = (tok, cos, self.reader.seq_of_tokens(tok)), (docs, total)
         self._done("first_stages", t0, started, len(post[0]))
-        return found, post
+        return found, post, summed
 
     # ------------------------------------------------------------------------ shortlist
     def shortlist(self, G: torch.Tensor, pre: Preconditioner, seqs: np.ndarray, aggregation: Aggregation, *,
                   opponents: bool, n: int, m: int | None, match: Targets | None,
-                  include_untrained: bool) -> Shortlist:
+                  include_untrained: bool, whole: bool = True) -> Shortlist:
         """The ``n`` best documents among the candidate sequences ``seqs`` (all in this worker's
         shards) by their approximate scores under ``aggregation``; for each, the rows of its best
         sequence to re-score exactly (the ``m`` best by approximate cosine; None: all) and its ``m`` best
         rows in its other candidate sequences (``Shortlist.more``), or with ``match`` (the query's
         target tokens, for ``cosine_match``) the windows that hold its best matches of the target tokens
         (:data:`WHOLE_DOCUMENT_MATCH`). A sum aggregation and ``cosine_match`` score every window of the
-        candidates' documents, not only the candidate windows."""
+        candidates' documents, not only the candidate windows (``whole`` False: ``cosine_match`` over the
+        candidate windows only)."""
         t0, started = time.perf_counter(), time.time()
         reader = self.reader
         seqs = unique(np.asarray(seqs, np.int64))
-        whole_match = match is not None and WHOLE_DOCUMENT_MATCH
+        whole_match = match is not None and WHOLE_DOCUMENT_MATCH and whole
         # a sum is over the whole document, and a target token's best match can sit in any window of it:
         # every window of a candidate's document
         sign = -1.0 if opponents else 1.0
-        if (aggregation.endswith("_sum") and scoring.WHOLE_DOCUMENT_SUMS) or (whole_match and not MATCH_SHORTLIST_FIRST):
+        if (aggregation.endswith("_sum") and scoring.WHOLE_DOCUMENT_SUMS) or whole_match:
             seqs = reader.sequences_of_documents(reader.doc_of_seqs(seqs))
         if not include_untrained:
             seqs = trained_only(reader, seqs)
         seqs = not_removed(reader, seqs)
-        if whole_match and MATCH_SHORTLIST_FIRST and len(seqs):
-            # the n best documents by their match over the candidate windows (a lower bound of their
-            # match over every window), then every window of those
-            first = approx_scores(reader, G, pre, reader.rows_of_sequences(seqs), match=match)
-            first_doc = reader.doc_of_seqs(reader.seq_of_tokens(first.tok))
-            top = ranked_documents(reader, first, aggregation, sign=sign, n=n, docs=first_doc)[0]
-            seqs = not_removed(reader, reader.sequences_of_documents(unique(first_doc[top])))
         approx = approx_scores(reader, G, pre, reader.rows_of_sequences(seqs), match=match)
         tok_seq = reader.seq_of_tokens(approx.tok)  # each scored row's sequence and document, read once
         tok_doc = reader.doc_of_seqs(tok_seq)
@@ -428,12 +435,12 @@ class ShardSet(Protocol):
     its damping and resolves it once there, ``engine/cluster.py``)."""
 
     def first_stages(self, e: np.ndarray | None, n: int, nprobe: int | None, G: torch.Tensor, pre: Preconditioner,
-                     plan: PostingPlan | None, n_tokens: int,
-                     ctx: CallContext | None = None) -> tuple[np.ndarray, np.ndarray]: ...
+                     plan: PostingPlan | None, n_tokens: int, ctx: CallContext | None = None,
+                     sums: str | None = None, n_summed: int = 0) -> tuple[np.ndarray, np.ndarray, np.ndarray]: ...
 
     def shortlist(self, G: torch.Tensor, pre: Preconditioner, seqs: np.ndarray, aggregation: Aggregation, *,
                   opponents: bool, n: int, m: int | None, match: Targets | None, include_untrained: bool,
-                  ctx: CallContext | None = None) -> Shortlist: ...
+                  ctx: CallContext | None = None, whole: bool = True) -> Shortlist: ...
 
     def document_values(self, G: torch.Tensor, pre: Preconditioner, docs: np.ndarray, skip: np.ndarray,
                         ctx: CallContext | None = None) -> np.ndarray: ...
@@ -451,16 +458,16 @@ class LocalShards:
         self.worker = ShardWorker(reader)
 
     def first_stages(self, e: np.ndarray | None, n: int, nprobe: int | None, G: torch.Tensor, pre: Preconditioner,
-                     plan: PostingPlan | None, n_tokens: int,
-                     ctx: CallContext | None = None) -> tuple[np.ndarray, np.ndarray]:
-        found, post = self.worker.first_stages(e, n, nprobe, G, pre, plan, n_tokens)
-        return merge_search([found], n), merge_best_tokens([post], n_tokens)
+                     plan: PostingPlan | None, n_tokens: int, ctx: CallContext | None = None,
+                     sums: str | None = None, n_summed: int = 0) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        found, post, summed = self.worker.first_stages(e, n, nprobe, G, pre, plan, n_tokens, sums)
+        return merge_search([found], n), merge_best_tokens([post], n_tokens), merge_document_sums([summed], n_summed)
 
     def shortlist(self, G: torch.Tensor, pre: Preconditioner, seqs: np.ndarray, aggregation: Aggregation, *,
                   opponents: bool, n: int, m: int | None, match: Targets | None, include_untrained: bool,
-                  ctx: CallContext | None = None) -> Shortlist:
+                  ctx: CallContext | None = None, whole: bool = True) -> Shortlist:
         part = self.worker.shortlist(G, pre, seqs, aggregation, opponents=opponents, n=n, m=m, match=match,
-                                     include_untrained=include_untrained)
+                                     include_untrained=include_untrained, whole=whole)
         return merge_shortlists([part], n, -1.0 if opponents else 1.0)
 
     def document_values(self, G: torch.Tensor, pre: Preconditioner, docs: np.ndarray, skip: np.ndarray,

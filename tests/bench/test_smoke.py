@@ -324,13 +324,13 @@ def test_sum_aggregations_measures_both_rules_against_one_exact_pass(index, tiny
     the switch put back, the exact sums read back from their arrays; the whole-document rule's scores
     within the codes' error of the exact sums."""
     import bench.attribution.sum_aggregations as sa
-    from prism_tda.engine import scoring
+    from prism_tda.engine import attributor, scoring
 
     args = three_query_draw(monkeypatch, index, tiny_corpus, tmp_path)
     res = sa.main(args)
-    assert scoring.WHOLE_DOCUMENT_SUMS is True
+    assert scoring.WHOLE_DOCUMENT_SUMS is True and attributor.SUM_DOCUMENTS == res["sum_documents"] > 0
     for agg in ("raw_sum", "cosine_sum"):
-        for arm in ("whole", "earlier"):
+        for arm in ("whole", "earlier", "served"):
             assert len(res[agg][arm]["per_query_overlap"]) == 3
         assert res[agg]["whole"]["score_relative_error_median"][0] < 0.02
     assert sa.main(args)["exact_pass_seconds"] == res["exact_pass_seconds"]

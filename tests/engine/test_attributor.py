@@ -364,6 +364,35 @@ def test_cosine_match_first_stages_read_each_target_tokens_lists(att, monkeypatc
     assert grew
 
 
+def test_sum_first_stages_take_the_documents_whose_posting_rows_sum_highest(att, monkeypatch):
+    """Under a sum aggregation the first stages add every window of the documents whose rows read from
+    the posting lists sum highest (a superset of the whole query's candidates, larger for some query);
+    those documents are the highest sums of the rows read, and 0 turns it off."""
+    from prism_tda.engine import attributor
+    from prism_tda.engine.candidates import posting_plan, read_postings
+    from prism_tda.engine.scoring import approx_scores
+
+    r, pre = att.reader, att.preconditioner()
+    grew = 0
+    monkeypatch.setattr(attributor, "SUM_DOCUMENTS", 3)
+    for spec in (QuerySpec("A computer", " is a machine that"), QuerySpec("Love is", " a many splendored thing")):
+        q = att.encode(spec)
+        base = att.candidate_sequences(q)
+        for sums, col in (("raw", "raw"), ("cosine", "cos")):
+            more = att.candidate_sequences(q, sums=sums)
+            assert np.isin(base, more).all()
+            grew += len(more) > len(base)
+            s = approx_scores(r, q.G, pre, read_postings(r, posting_plan(r, q.G, pre, att.stages)))
+            docs, at = np.unique(r.doc_of_seqs(r.seq_of_tokens(s.tok)), return_inverse=True)
+            total = np.bincount(at, weights=getattr(s, col))
+            best = docs[np.lexsort((docs, -total))[:3]]
+            assert np.isin(r.sequences_of_documents(best), more).all()
+        monkeypatch.setattr(attributor, "SUM_DOCUMENTS", 0)
+        assert np.array_equal(att.candidate_sequences(q, sums="raw"), base)
+        monkeypatch.setattr(attributor, "SUM_DOCUMENTS", 3)
+    assert grew
+
+
 def test_documents_whose_value_opposes_the_output_are_left_out(att):
     """By default, of the first n by score, a document whose value (its whole influence) pushes the other
     way is left out and counted; keep_opposed returns them all; with opponents the sign flips."""
