@@ -110,6 +110,48 @@ def cached_arrays(arrays: Path | None, queries: list[dict], compute) -> tuple[di
     return out, secs
 
 
+def exact_document_arrays(att: Attributor, queries: list[dict], arrays: Path | None, keys: tuple[str, ...],
+                          match: bool = False) -> tuple[dict[str, np.ndarray], float]:
+    """Per aggregation of ``keys``, (queries, documents) exact scores from one pass of the model
+    (``match``: ``cosine_match`` too), and the seconds it took; from ``arrays`` when it holds these
+    queries (:func:`cached_arrays`)."""
+    def compute() -> dict[str, np.ndarray]:
+        encoded = [att.encode(QuerySpec(q["prompt"], q["completion"])) for q in queries]
+        scores = att.exact_document_scores(encoded, match=match, progress=True)
+        return {k: np.stack([s[k] for s in scores]) for k in keys}
+
+    return cached_arrays(arrays, queries, compute)
+
+
+def record_answer(m: dict[str, list], res, row_of: dict[str, int], exact: np.ndarray, top: np.ndarray, seconds: float,
+                  windows: np.ndarray) -> None:
+    """Add one fast answer ``res`` to ``m``: its strict overlap with exact mode's top ``top``, the relative
+    error of its scores against the exact ones ``exact`` (median and largest over the returned documents),
+    its time, the documents it re-ranked, the share of returned documents longer than one window
+    (``windows``: each document's count)."""
+    got = [row_of[d.external_id] for d in res.documents]
+    err = [abs(d.score / exact[r] - 1.0) for d, r in zip(res.documents, got, strict=True) if exact[r] != 0]
+    m.setdefault("strict", []).append(len(set(got) & set(top.tolist())) / max(len(top), 1))
+    m.setdefault("score_error", []).append(float(np.median(err)) if err else 0.0)
+    m.setdefault("score_error_max", []).append(float(np.max(err)) if err else 0.0)
+    m.setdefault("seconds", []).append(seconds)
+    m.setdefault("reranked", []).append(res.documents_reranked)
+    m.setdefault("several_windows", []).append(float(np.mean(windows[got] > 1)) if got else 0.0)
+
+
+def answers_summary(m: dict[str, list], rng: np.random.Generator) -> dict:
+    """:func:`record_answer`'s lists over queries: means with 95% intervals, the largest error, time."""
+    return {"overlap_at_10": ci(np.array(m["strict"]), rng),
+            "score_relative_error_median": ci(np.array(m["score_error"]), rng),
+            "score_relative_error_max": round(float(np.max(m["score_error_max"])), 4),
+            "seconds_median": round(float(np.median(m["seconds"])), 3),
+            "documents_reranked_mean": round(float(np.mean(m["reranked"])), 1),
+            **({"windows_rescored_mean": round(float(np.mean(m["windows_rescored"])), 1)}
+               if "windows_rescored" in m else {}),
+            "returned_with_several_windows": round(float(np.mean(m["several_windows"])), 3),
+            "per_query_overlap": [round(x, 2) for x in m["strict"]]}
+
+
 def open_draw(args: argparse.Namespace, n: int) -> tuple[Attributor, list[dict], np.ndarray, float, dict[str, int]]:
     """(the index opened, the draw's ``n`` queries, their exact ``cosine_max`` by document, the seconds
     of that pass, each document's row by external id), from :func:`draw_args`' arguments."""

@@ -30,8 +30,15 @@ from pathlib import Path
 import numpy as np
 
 from bench._common import finish, served_ranking
-from bench.attribution.rerank_depth import cached_arrays, ci, open_queries, parse_draw
-from prism_tda.engine import Attributor, QueryOptions, QuerySpec, scoring
+from bench.attribution.rerank_depth import (
+    answers_summary,
+    ci,
+    exact_document_arrays,
+    open_queries,
+    parse_draw,
+    record_answer,
+)
+from prism_tda.engine import QueryOptions, QuerySpec, scoring
 from prism_tda.engine import attributor as attributor_module
 
 AGGREGATIONS = ("raw_sum", "cosine_sum")
@@ -40,21 +47,10 @@ ARMS = ("earlier", "whole", "served")
 SETTINGS = {"earlier": (False, 0), "whole": (True, 0), "served": (True, attributor_module.SUM_DOCUMENTS)}
 
 
-def exact_sums(att: Attributor, queries: list[dict], arrays: Path | None) -> tuple[dict[str, np.ndarray], float]:
-    """Per sum aggregation, (queries, documents) exact scores, and the seconds of their one pass; from
-    ``arrays`` when it holds these queries."""
-    def compute() -> dict[str, np.ndarray]:
-        encoded = [att.encode(QuerySpec(q["prompt"], q["completion"])) for q in queries]
-        scores = att.exact_document_scores(encoded, progress=True)
-        return {k: np.stack([s[k] for s in scores]) for k in AGGREGATIONS}
-
-    return cached_arrays(arrays, queries, compute)
-
-
 def main(argv: list[str] | None = None) -> dict:
     args = parse_draw(argv, __doc__ or "", 13, "bench/results/sum_aggregations.json")
     att, queries, row_of = open_queries(args, args.queries)
-    exact, exact_s = exact_sums(att, queries, Path(args.arrays) if args.arrays else None)
+    exact, exact_s = exact_document_arrays(att, queries, Path(args.arrays) if args.arrays else None, AGGREGATIONS)
     every = np.ones(att.reader.n_docs, dtype=bool)
     windows = np.bincount(att.reader.doc_of_seqs(np.arange(att.reader.n_seqs)), minlength=att.reader.n_docs)
     for q in queries[:2]:  # warm up
@@ -72,16 +68,7 @@ def main(argv: list[str] | None = None) -> dict:
                     res = att.attribute(QuerySpec(q["prompt"], q["completion"]),
                                         QueryOptions(n_documents=10, aggregation=agg, include_untrained=True,
                                                      keep_opposed=True))
-                    dt = time.perf_counter() - t0
-                    got = [row_of[d.external_id] for d in res.documents]
-                    err = [abs(d.score / s[r] - 1.0) for d, r in zip(res.documents, got, strict=True) if s[r] != 0]
-                    m = per[agg][arm]
-                    m.setdefault("strict", []).append(len(set(got) & set(top.tolist())) / max(len(top), 1))
-                    m.setdefault("score_error", []).append(float(np.median(err)) if err else 0.0)
-                    m.setdefault("score_error_max", []).append(float(np.max(err)) if err else 0.0)
-                    m.setdefault("seconds", []).append(dt)
-                    m.setdefault("reranked", []).append(res.documents_reranked)
-                    m.setdefault("several_windows", []).append(float(np.mean(windows[got] > 1)) if got else 0.0)
+                    record_answer(per[agg][arm], res, row_of, s, top, time.perf_counter() - t0, windows)
     finally:
         scoring.WHOLE_DOCUMENT_SUMS, attributor_module.SUM_DOCUMENTS = was
     rng = np.random.default_rng(0)
@@ -89,13 +76,7 @@ def main(argv: list[str] | None = None) -> dict:
     for agg in AGGREGATIONS:
         out[agg] = {}
         for arm, m in per[agg].items():
-            out[agg][arm] = {"overlap_at_10": ci(np.array(m["strict"]), rng),
-                             "score_relative_error_median": ci(np.array(m["score_error"]), rng),
-                             "score_relative_error_max": round(float(np.max(m["score_error_max"])), 4),
-                             "seconds_median": round(float(np.median(m["seconds"])), 3),
-                             "documents_reranked_mean": round(float(np.mean(m["reranked"])), 1),
-                             "returned_with_several_windows": round(float(np.mean(m["several_windows"])), 3),
-                             "per_query_overlap": [round(x, 2) for x in m["strict"]]}
+            out[agg][arm] = answers_summary(m, rng)
         for a, b in (("whole", "earlier"), ("served", "whole")):
             diff = np.array(per[agg][a]["strict"]) - np.array(per[agg][b]["strict"])
             out[agg][f"overlap_diff_{a}_{b}_ci"] = ci(diff, rng)

@@ -81,6 +81,10 @@ from .types import (
 # whole query may read (0: the whole query's stages only; bench/attribution/match_windows.py measures both)
 MATCH_TARGET_TOKENS = 128
 MATCH_TARGET_BUDGET_DIVISOR = 4
+# and its shortlist takes every window of the n best documents by their match over the candidate windows
+# only (a first shortlist, merged over the shard holders as any is), not of every candidate's document
+# (the per-target candidates make that several times dearer)
+MATCH_SHORTLIST_FIRST = True
 # a sum aggregation's first stages also take every window of the SUM_DOCUMENTS documents whose rows read
 # from the posting lists sum highest under it (the rows the token stage scores anyway; 0: the best tokens'
 # windows only; bench/attribution/sum_aggregations.py measures both)
@@ -217,7 +221,7 @@ class Attributor:
         m = opt.exact_tokens if opt.aggregation.endswith("_max") else None
         match = q if opt.aggregation == "cosine_match" else None
         scored_first = 0  # rows scored by a first shortlist
-        if match is not None and shards_module.WHOLE_DOCUMENT_MATCH and shards_module.MATCH_SHORTLIST_FIRST:
+        if match is not None and shards_module.WHOLE_DOCUMENT_MATCH and MATCH_SHORTLIST_FIRST:
             # the best documents by their match over the candidate windows, then every window of those
             first = self.shards.shortlist(q.G, pre, seqs, opt.aggregation, opponents=opt.opponents,
                                           n=max(opt.exact_rerank, opt.n_documents), m=None, match=match.targets,

@@ -46,13 +46,9 @@ ROWS_ELSEWHERE = True
 # scores every window of the candidates' documents from the codes, and re-ranks each shortlisted document
 # in the windows that hold, for some target token, one of its MATCH_ROWS best rows by approximate match
 # cosine; False: over the candidate windows only, all of them re-ranked (the earlier rule, kept for
-# bench/attribution/match_windows.py). MATCH_SHORTLIST_FIRST: every window of the n best documents by
-# their match over the candidate windows only (a first shortlist, merged over the shard holders as any
-# is), rather than of every candidate's document (the first stages' per-target candidates,
-# attributor.MATCH_TARGET_TOKENS, make the latter several times dearer)
+# bench/attribution/match_windows.py)
 WHOLE_DOCUMENT_MATCH = True
 MATCH_ROWS = 2
-MATCH_SHORTLIST_FIRST = True
 
 
 @dataclass
