@@ -18,13 +18,13 @@ served setting also takes each target token's ``MATCH_TARGET_TOKENS`` best token
 Protocol: held-out queries at scale as in ``rerank_depth.py`` (48-token prompts, 16-token
 continuations from documents of a file that is not indexed), exact ``cosine_match`` (and ``cosine_sum``,
 which settles a near-tie at the cut as the served answer does) from one pass of the model, cached in
-``--arrays``; the two rules interleaved query by query; strict overlap@10 with exact mode's answer, the
+``--arrays``; the three arms interleaved query by query; strict overlap@10 with exact mode's answer, the
 relative error of each returned document's score against its exact score (median over the returned
 documents), seconds per query, windows re-ranked. 95% bootstrap intervals over queries, paired for the
 difference.
 
     python -m bench.attribution.match_windows --index runs/scale_b/prefix_0001 \\
-        --heldout runs/scale/corpus/part-006.jsonl --seed 15 --arrays runs/scale/match_windows_seed15.npz
+        --heldout runs/scale/corpus/part-006.jsonl --seed 18 --arrays runs/scale/match_windows_seed18.npz
 """
 
 from __future__ import annotations

@@ -12,14 +12,14 @@ whole sum, its re-ranked window exact and the others from the codes (as its ``va
 
 Protocol: held-out queries at scale as in ``rerank_depth.py`` (48-token prompts, 16-token
 continuations from documents of a file that is not indexed), exact ``raw_sum`` and ``cosine_sum``
-from one pass of the model (cached in ``--arrays``); each aggregation with the switch on and off,
+from one pass of the model (cached in ``--arrays``); each aggregation in the three arms,
 interleaved query by query; strict overlap@10 with exact mode's answer (its near-tie at the cut settled
 as the served default settles it), the relative error of each returned document's score against its
 exact sum (median over the returned documents), seconds per query. 95% bootstrap intervals over
 queries, paired for the difference.
 
     python -m bench.attribution.sum_aggregations --index runs/scale_b/prefix_0001 \\
-        --heldout runs/scale/corpus/part-006.jsonl --seed 13 --arrays runs/scale/sum_aggregations.npz
+        --heldout runs/scale/corpus/part-006.jsonl --seed 20 --arrays runs/scale/sum_aggregations_seed20.npz
 """
 
 from __future__ import annotations
