@@ -269,6 +269,8 @@ def summarise(ranks: list[int | None]) -> dict:
 
 
 def main(argv: list[str] | None = None) -> dict:
+    from prism_tda.engine import QueryOptions
+
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--docs", type=int, default=2000, help="documents in the corpus (facts included)")
     ap.add_argument("--facts", type=int, default=30)
@@ -277,7 +279,8 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--subsets", type=int, default=32, help="LDS retrainings on random halves (>= 16)")
     ap.add_argument("--heldout", type=int, default=40,
                     help="held-out document queries (validation documents first, then demo documents left out of the corpus)")
-    ap.add_argument("--candidates", type=int, default=256)
+    ap.add_argument("--candidates", type=int, default=QueryOptions().n_candidates,
+                    help="FAISS candidates (n_candidates; default: the served default)")
     ap.add_argument("--methods", default=",".join(["prism", "ekfac", "trak", "bm25"]))
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--answers", choices=("drawn", "unique"), default="drawn",

@@ -154,11 +154,11 @@ class Attributor:
     def encode(self, spec: QuerySpec) -> Query:
         return self.encoder.encode(spec)
 
-    def candidate_sequences(self, q: Query, n_candidates: int = 256, pre: Preconditioner | None = None,
+    def candidate_sequences(self, q: Query, n_candidates: int = 0, pre: Preconditioner | None = None,
                             nprobe: int | None = None, ctx: CallContext | None = None,
                             opponents: bool = False, per_target: bool = False, sums: str | None = None) -> np.ndarray:
         """The sequences the fast path's first stages pick for an encoded query: the ``n_candidates``
-        nearest by FAISS, and those of the best tokens of the query's posting lists (``pre``: the
+        nearest by FAISS (0, the served default: none), and those of the best tokens of the query's posting lists (``pre``: the
         curvature, default the index's); ``opponents``: those pointing the most against the query;
         ``per_target`` (``cosine_match``): also those of each target token's own best tokens
         (:data:`MATCH_TARGET_TOKENS`); ``sums`` ("raw" or "cosine", the sum aggregations): also every
@@ -595,17 +595,21 @@ class Attributor:
             return [t.scores(1.0) for t in exhaustive(self.model, self.reader, queries, self.preconditioner(damping),
                                                       match=match, progress=progress)]
 
-    def candidate_documents(self, q: Query, n_candidates: int = 256, pre: Preconditioner | None = None) -> np.ndarray:
-        """The documents of the fast path's candidate sequences for an encoded query (ascending ids)."""
-        return unique(self.reader.doc_of_seqs(self.candidate_sequences(q, n_candidates, pre)))
+    def candidate_documents(self, q: Query, n_candidates: int | None = None, pre: Preconditioner | None = None) -> np.ndarray:
+        """The documents of the fast path's candidate sequences for an encoded query (ascending ids);
+        ``n_candidates``: FAISS's part (None: the served default)."""
+        n = QueryOptions().n_candidates if n_candidates is None else n_candidates
+        return unique(self.reader.doc_of_seqs(self.candidate_sequences(q, n, pre)))
 
-    def document_scores(self, q: Query, mode: Mode = "exact", n_candidates: int = 256,
+    def document_scores(self, q: Query, mode: Mode = "exact", n_candidates: int | None = None,
                         damping: float | None = None, exact_rerank: int | None = None,
                         match: bool = False) -> dict[Aggregation, np.ndarray]:
         """Every document's score for one encoded query under each aggregation (0 where a document has
         no scored token); what the evaluation uses. ``fast``: the shortlisted documents' exact scores,
-        the other candidates' approximate ones (``exact_rerank``: None, the served default)."""
+        the other candidates' approximate ones (``exact_rerank``, ``n_candidates``: None, the served
+        default)."""
         pre = self.preconditioner(damping)
+        n_candidates = QueryOptions().n_candidates if n_candidates is None else n_candidates
         if mode == "exact":
             self.check_exact()
             return exhaustive(self.model, self.reader, [q], pre, match=match)[0].scores(1.0)

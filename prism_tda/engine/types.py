@@ -51,8 +51,10 @@ class QueryOptions:
     mode: Mode = "fast"
     """fast: FAISS and posting-list candidates, shortlisted from the stored codes, re-ranked exactly;
     exact: every training token recomputed by the model (refused past the server's exact_max_tokens)."""
-    n_candidates: Annotated[int, Field(ge=1, le=16_384)] = 256
-    """Candidate sequences the fast path asks FAISS for (at most the server's max_candidates)."""
+    n_candidates: Annotated[int, Field(ge=0, le=16_384)] = 0
+    """Candidate sequences the fast path also asks FAISS for, nearest the query by the sketch of a whole
+    window (at most the server's max_candidates). 0 (the default): the posting lists' candidates only;
+    the sketch stage added no agreement with exact mode where it was measured (docs/benchmarks.md)."""
     opponents: bool = False
     """Return the documents that most oppose the output."""
     damping: Annotated[float | None, Field(gt=0, le=1e6)] = None

@@ -750,3 +750,26 @@ def test_external_ids_read_alone_are_the_documents_ids(att):
     for bad in (-1, r.n_docs):
         with pytest.raises(KeyError):
             r.external_id(bad)
+
+
+def test_the_default_fast_path_leaves_faiss_out_and_n_candidates_brings_it_back(att, monkeypatch):
+    """``n_candidates`` 0 (the served default): the first stages are the posting lists alone, FAISS is
+    never searched; above 0 its nearest sequences join the candidates."""
+    calls = []
+    search = att.reader.search_embedding
+
+    def counted(e, n, nprobe=None):
+        calls.append(n)
+        return search(e, n, nprobe)
+
+    monkeypatch.setattr(att.reader, "search_embedding", counted)
+    assert QueryOptions().n_candidates == 0
+    q = att.encode(COMPUTER)
+    plain = att.attribute(COMPUTER, QueryOptions(n_documents=5))
+    assert calls == [] and plain.documents
+    posting = set(att.candidate_sequences(q, 0))
+    assert calls == []
+    with_faiss = set(att.candidate_sequences(q, 64))
+    assert calls == [64]
+    found = set(search(att.reader.query_embedding(q.G * att.preconditioner().inv.sqrt()), 64)[1].tolist())
+    assert with_faiss == posting | found and found - posting  # FAISS adds sequences the lists did not give
