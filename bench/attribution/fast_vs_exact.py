@@ -28,8 +28,8 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--queries", type=int, default=40)
     ap.add_argument("--prompt-tokens", type=int, default=24)
     ap.add_argument("--completion-tokens", type=int, default=16)
-    ap.add_argument("--candidates", type=int, default=QueryOptions().n_candidates,
-                    help="FAISS candidates (n_candidates; default: the served default)")
+    ap.add_argument("--candidates", type=int, default=None,
+                    help="FAISS candidates (n_candidates; default: the served default, by the query kind)")
     ap.add_argument("--out", default="bench/results/fast_vs_exact.json")
     args = ap.parse_args(argv)
     att = Attributor.open(args.index)

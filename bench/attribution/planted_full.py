@@ -58,8 +58,8 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--copies", type=int, default=6)
     ap.add_argument("--steps", type=int, default=1500)
     ap.add_argument("--work", default="runs/bench_attribution")
-    ap.add_argument("--candidates", type=int, default=QueryOptions().n_candidates,
-                    help="FAISS candidates (n_candidates; default: the served default)")
+    ap.add_argument("--candidates", type=int, default=None,
+                    help="FAISS candidates (n_candidates; default: the served default, by the query kind)")
     ap.add_argument("--seed", type=int, default=0, help="the facts' draw (0: the facts every earlier run used)")
     ap.add_argument("--out", default="bench/results/attribution_planted_full.json")
     args = ap.parse_args(argv)

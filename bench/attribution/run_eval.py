@@ -116,7 +116,7 @@ def train(corpus: Path, out: Path, steps: int, tokenizer: Path | None = None) ->
 
 
 # --------------------------------------------------------------------------- methods (each in a child process)
-def _prism_served(work: Path, index_dir: Path, queries: list[dict], candidates: int) -> dict:
+def _prism_served(work: Path, index_dir: Path, queries: list[dict], candidates: int | None) -> dict:
     """The served path alone: open the index, answer fast queries."""
     from prism_tda.engine import Attributor, QueryOptions, QuerySpec
 
@@ -128,7 +128,7 @@ def _prism_served(work: Path, index_dir: Path, queries: list[dict], candidates: 
     return {"setup_seconds": setup, "seconds_per_query": float(np.median(ts))}
 
 
-def _prism(work: Path, index_dir: Path, queries: list[dict], candidates: int) -> dict:
+def _prism(work: Path, index_dir: Path, queries: list[dict], candidates: int | None) -> dict:
     """PRISM's fast and exact scores of every document (exact: all queries in one pass), the fast path's
     agreement with the exact top 10 as its candidate pool widens, and the candidates' recall."""
     from prism_tda.engine import Attributor, QueryOptions, QuerySpec
@@ -164,7 +164,8 @@ def _prism(work: Path, index_dir: Path, queries: list[dict], candidates: int) ->
     out["overlap_by_candidates"] = {}
     groups = (("all", ("verbatim", "paraphrase", "heldout")), ("facts", ("verbatim", "paraphrase")),
               ("heldout", ("heldout",)))
-    for nc in (candidates, 2 * candidates, 4 * candidates):
+    # the served default (None), then FAISS's pool widened
+    for nc in (candidates, 2 * candidates, 4 * candidates) if candidates else (candidates, 256, 1024):
         ov = [len({d.doc_id for d in att.attribute(spec, QueryOptions(n_candidates=nc, keep_opposed=True)).documents} & set(e))
               / max(len(e), 1) for spec, e in zip(specs, top["exact"], strict=True)]
         out["overlap_by_candidates"][nc] = {k: float(np.mean([o for o, q in zip(ov, queries, strict=True)
@@ -269,8 +270,6 @@ def summarise(ranks: list[int | None]) -> dict:
 
 
 def main(argv: list[str] | None = None) -> dict:
-    from prism_tda.engine import QueryOptions
-
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--docs", type=int, default=2000, help="documents in the corpus (facts included)")
     ap.add_argument("--facts", type=int, default=30)
@@ -279,8 +278,8 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--subsets", type=int, default=32, help="LDS retrainings on random halves (>= 16)")
     ap.add_argument("--heldout", type=int, default=40,
                     help="held-out document queries (validation documents first, then demo documents left out of the corpus)")
-    ap.add_argument("--candidates", type=int, default=QueryOptions().n_candidates,
-                    help="FAISS candidates (n_candidates; default: the served default)")
+    ap.add_argument("--candidates", type=int, default=None,
+                    help="FAISS candidates (n_candidates; default: the served default, by the query kind)")
     ap.add_argument("--methods", default=",".join(["prism", "ekfac", "trak", "bm25"]))
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--answers", choices=("drawn", "unique"), default="drawn",

@@ -212,7 +212,7 @@ class Attributor:
         if seqs is None:
             by_sums = {"raw_sum": "raw", "cosine_sum": "cosine"}.get(opt.aggregation) if scoring.WHOLE_DOCUMENT_SUMS \
                 else None
-            seqs = self.candidate_sequences(q, opt.n_candidates, pre, opt.nprobe, ctx, opponents=opt.opponents,
+            seqs = self.candidate_sequences(q, opt.sketch_candidates, pre, opt.nprobe, ctx, opponents=opt.opponents,
                                             per_target=opt.aggregation == "cosine_match", sums=by_sums)
         if ctx is not None:
             ctx.candidates_ms = 1e3 * (time.perf_counter() - t0)
@@ -598,7 +598,7 @@ class Attributor:
     def candidate_documents(self, q: Query, n_candidates: int | None = None, pre: Preconditioner | None = None) -> np.ndarray:
         """The documents of the fast path's candidate sequences for an encoded query (ascending ids);
         ``n_candidates``: FAISS's part (None: the served default)."""
-        n = QueryOptions().n_candidates if n_candidates is None else n_candidates
+        n = QueryOptions().sketch_candidates if n_candidates is None else n_candidates
         return unique(self.reader.doc_of_seqs(self.candidate_sequences(q, n, pre)))
 
     def document_scores(self, q: Query, mode: Mode = "exact", n_candidates: int | None = None,
@@ -609,7 +609,7 @@ class Attributor:
         the other candidates' approximate ones (``exact_rerank``, ``n_candidates``: None, the served
         default)."""
         pre = self.preconditioner(damping)
-        n_candidates = QueryOptions().n_candidates if n_candidates is None else n_candidates
+        n_candidates = QueryOptions().sketch_candidates if n_candidates is None else n_candidates
         if mode == "exact":
             self.check_exact()
             return exhaustive(self.model, self.reader, [q], pre, match=match)[0].scores(1.0)

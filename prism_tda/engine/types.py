@@ -16,6 +16,9 @@ Mode = Literal["fast", "exact"]
 # over the target tokens (a multi-token target is matched as a whole, not by its best piece)
 Aggregation = Literal["cosine_max", "cosine_sum", "raw_max", "raw_sum", "cosine_match"]
 AGGREGATIONS: tuple[Aggregation, ...] = ("cosine_max", "cosine_sum", "raw_max", "raw_sum", "cosine_match")
+# the FAISS sketch stage's sequences under opponents by default (QueryOptions.n_candidates None); the
+# other queries leave it out (bench/attribution/opponents.py, bench/attribution/near_ties.py --variants)
+OPPONENT_SKETCH_CANDIDATES = 256
 
 # pydantic reads each attribute's docstring as its description
 _DOCS = {"use_attribute_docstrings": True}
@@ -51,10 +54,18 @@ class QueryOptions:
     mode: Mode = "fast"
     """fast: FAISS and posting-list candidates, shortlisted from the stored codes, re-ranked exactly;
     exact: every training token recomputed by the model (refused past the server's exact_max_tokens)."""
-    n_candidates: Annotated[int, Field(ge=0, le=16_384)] = 0
+    n_candidates: Annotated[int | None, Field(ge=0, le=16_384)] = None
     """Candidate sequences the fast path also asks FAISS for, nearest the query by the sketch of a whole
-    window (at most the server's max_candidates). 0 (the default): the posting lists' candidates only;
-    the sketch stage added no agreement with exact mode where it was measured (docs/benchmarks.md)."""
+    window (at most the server's max_candidates); 0: the posting lists' candidates only. None (the
+    default): 0, or 256 with ``opponents`` (where the sketch stage was measured to add agreement with
+    exact mode; elsewhere it added none: docs/benchmarks.md)."""
+
+    @property
+    def sketch_candidates(self) -> int:
+        """``n_candidates`` as the fast path takes it (None: the default for the query's kind)."""
+        if self.n_candidates is not None:
+            return self.n_candidates
+        return OPPONENT_SKETCH_CANDIDATES if self.opponents else 0
     opponents: bool = False
     """Return the documents that most oppose the output."""
     damping: Annotated[float | None, Field(gt=0, le=1e6)] = None

@@ -135,7 +135,7 @@ class Services:
         bounds ``exact_tokens: null``)."""
         s = self.settings
         if options is not None:
-            if options.n_candidates > s.max_candidates:
+            if options.n_candidates is not None and options.n_candidates > s.max_candidates:
                 raise problems.InvalidRequest(f"{where}n_candidates: {options.n_candidates} is over the server's "
                                               f"limit of {s.max_candidates}")
             if options.exact_rerank > s.max_exact_rerank:

@@ -753,8 +753,8 @@ def test_external_ids_read_alone_are_the_documents_ids(att):
 
 
 def test_the_default_fast_path_leaves_faiss_out_and_n_candidates_brings_it_back(att, monkeypatch):
-    """``n_candidates`` 0 (the served default): the first stages are the posting lists alone, FAISS is
-    never searched; above 0 its nearest sequences join the candidates."""
+    """``n_candidates`` None (the served default) is 0 but under ``opponents``: the first stages are the
+    posting lists alone, FAISS is never searched; above 0 its nearest sequences join the candidates."""
     calls = []
     search = att.reader.search_embedding
 
@@ -763,10 +763,14 @@ def test_the_default_fast_path_leaves_faiss_out_and_n_candidates_brings_it_back(
         return search(e, n, nprobe)
 
     monkeypatch.setattr(att.reader, "search_embedding", counted)
-    assert QueryOptions().n_candidates == 0
+    assert QueryOptions().sketch_candidates == 0 and QueryOptions(opponents=True).sketch_candidates == 256
+    assert QueryOptions(n_candidates=0, opponents=True).sketch_candidates == 0
     q = att.encode(COMPUTER)
     plain = att.attribute(COMPUTER, QueryOptions(n_documents=5))
     assert calls == [] and plain.documents
+    att.attribute(COMPUTER, QueryOptions(n_documents=5, opponents=True))
+    assert calls == [256]
+    calls.clear()
     posting = set(att.candidate_sequences(q, 0))
     assert calls == []
     with_faiss = set(att.candidate_sequences(q, 64))
