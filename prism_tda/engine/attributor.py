@@ -158,8 +158,8 @@ class Attributor:
                             nprobe: int | None = None, ctx: CallContext | None = None,
                             opponents: bool = False, per_target: bool = False, sums: str | None = None) -> np.ndarray:
         """The sequences the fast path's first stages pick for an encoded query: the ``n_candidates``
-        nearest by FAISS (0, the served default: none), and those of the best tokens of the query's posting lists (``pre``: the
-        curvature, default the index's); ``opponents``: those pointing the most against the query;
+        nearest by FAISS (0: none), and those of the best tokens of the query's posting lists (``pre``:
+        the curvature, default the index's); ``opponents``: those pointing the most against the query;
         ``per_target`` (``cosine_match``): also those of each target token's own best tokens
         (:data:`MATCH_TARGET_TOKENS`); ``sums`` ("raw" or "cosine", the sum aggregations): also every
         window of the :data:`SUM_DOCUMENTS` documents whose rows read from the posting lists sum highest."""
@@ -609,7 +609,6 @@ class Attributor:
         the other candidates' approximate ones (``exact_rerank``, ``n_candidates``: None, the served
         default)."""
         pre = self.preconditioner(damping)
-        n_candidates = QueryOptions().sketch_candidates if n_candidates is None else n_candidates
         if mode == "exact":
             self.check_exact()
             return exhaustive(self.model, self.reader, [q], pre, match=match)[0].scores(1.0)
@@ -618,7 +617,7 @@ class Attributor:
                            aggregation="cosine_match" if match else "cosine_max",
                            include_untrained=True)  # every document: the caller decides which count
         local = self.local_reader("document_scores")
-        seqs = self.candidate_sequences(q, n_candidates, pre)
+        seqs = self.candidate_sequences(q, opt.sketch_candidates, pre)
         out = document_scores(self.reader, approx_scores(local, q.G, pre, local.rows_of_sequences(seqs),
                                                          match=q.targets if match else None))
         exact = self._fast(q, opt, pre, seqs=seqs)[0]

@@ -52,20 +52,14 @@ class QueryOptions:
     n_documents: Annotated[int, Field(ge=1, le=1000)] = 10
     """Documents to return (at most the server's max_top_k)."""
     mode: Mode = "fast"
-    """fast: FAISS and posting-list candidates, shortlisted from the stored codes, re-ranked exactly;
-    exact: every training token recomputed by the model (refused past the server's exact_max_tokens)."""
+    """fast: posting-list candidates (and FAISS's: n_candidates), shortlisted from the stored codes,
+    re-ranked exactly; exact: every training token recomputed by the model (refused past the server's
+    exact_max_tokens)."""
     n_candidates: Annotated[int | None, Field(ge=0, le=16_384)] = None
     """Candidate sequences the fast path also asks FAISS for, nearest the query by the sketch of a whole
     window (at most the server's max_candidates); 0: the posting lists' candidates only. None (the
     default): 0, or 256 with ``opponents`` (where the sketch stage was measured to add agreement with
-    exact mode; elsewhere it added none: docs/benchmarks.md)."""
-
-    @property
-    def sketch_candidates(self) -> int:
-        """``n_candidates`` as the fast path takes it (None: the default for the query's kind)."""
-        if self.n_candidates is not None:
-            return self.n_candidates
-        return OPPONENT_SKETCH_CANDIDATES if self.opponents else 0
+    exact mode; elsewhere it changed 2 documents of 3,680: docs/benchmarks.md)."""
     opponents: bool = False
     """Return the documents that most oppose the output."""
     damping: Annotated[float | None, Field(gt=0, le=1e6)] = None
@@ -117,6 +111,13 @@ class QueryOptions:
     allow_partial: bool = False
     """Served from a cluster: when some shards do not answer, return the best documents of the others
     (`partial: true`, naming the missing shards) instead of failing with `shard-unavailable`."""
+
+    @property
+    def sketch_candidates(self) -> int:
+        """``n_candidates`` as the fast path takes it (None: the default for the query's kind)."""
+        if self.n_candidates is not None:
+            return self.n_candidates
+        return OPPONENT_SKETCH_CANDIDATES if self.opponents else 0
 
 
 @dataclass
