@@ -197,13 +197,18 @@ def cmd_index(args: argparse.Namespace) -> int:
 
     if args.remove or args.takedown_report or args.compact:
         return takedown(args)
+    if args.upgrade:
+        from prism_tda.indexer.upgrade import upgrade
+
+        print(json.dumps(upgrade(args.out, progress=not args.no_progress), indent=2))
+        return 0
     if args.influence and not args.checkpoint:  # an existing index: its influence curvature alone
         return fit_influence(args)
     if not args.checkpoint:
         from prism_tda.errors import ConfigError
 
-        raise ConfigError("prism index: --checkpoint is required (except with --remove, --compact or "
-                          "--takedown-report)")
+        raise ConfigError("prism index: --checkpoint is required (except with --remove, --compact, "
+                          "--takedown-report, --upgrade or --influence on a complete index)")
     overrides = merge_overrides({"index": {}}, args.config, args.set, also_ok={"model", "train"})["index"]
     cfg = IndexConfig.from_dict(overrides, where="index config")
     ix = Indexer(args.checkpoint, args.corpus, args.out, cfg, progress=not args.no_progress,
@@ -326,6 +331,10 @@ def register(sub: Any) -> None:
                     help="print what was taken down from the index --out (which documents, when, by whom, why) and "
                          "check each one's absence: 'absent' (not in the store: neither its text nor its token "
                          "n-grams), 'filtered' (never served; stored until --compact), 'present'")
+    ix.add_argument("--upgrade", action="store_true",
+                    help="bring the shards of the index --out, built by an earlier version, to what this version "
+                         "writes, from what they store (no model pass over the corpus; crash-safe: run it again "
+                         "to finish); reload a running server afterwards")
     ix.add_argument("--influence", action="store_true",
                     help="fit the full-model influence curvature of the index --out (what the query option "
                          "`influence` needs): after building it, or alone on a complete index without --checkpoint")

@@ -33,7 +33,8 @@ Per token: the input token id (uint16 when the vocabulary allows), the k active 
 inactive), the packed codes of the token vector (``engine/codec.py``), one bit saying whether
 those codes are of the vector's direction (``code_dir.npy``, ``np.packbits`` order; absent in
 indexes built before direction codes: none are), and ``I(t, t)`` (float16, scaled by the shard's
-``self_scale``). Posting lists hold, for each prototype and cell of the
+``self_scale``) of the token as stored: of the vector its codes decode to, with its stored
+activations (``self_of: "codes"``; shards written before hold the exact value, ``"exact"``). Posting lists hold, for each prototype and cell of the
 token-vector direction, the tokens for which that prototype carries most of ``I(t, t)``,
 strongest first. Every file is written under a temporary name, fsynced and renamed.
 """
@@ -146,6 +147,10 @@ class ShardInfo:
     seconds: float
     stats: dict[str, float] = field(default_factory=dict)  # loss, grounding sums of the shard
     generation: int = 0  # rewrites of the shard without documents taken down (indexer/compact.py)
+    # what the stored I(t, t) is of: "codes", the stored token (what its codes decode to, with its stored
+    # activations; exact for direction-coded tokens); "exact", the token itself (shards written before,
+    # until `prism index --upgrade`)
+    self_of: str = "exact"
 
     @property
     def name(self) -> str:

@@ -135,7 +135,8 @@ def merge_shards(real: Path, out_dir: Path, unit: int) -> layout.ShardInfo:
         sizes["stats"] = (out_dir / layout.STATS).stat().st_size
     info = layout.ShardInfo(unit=unit, n_docs=int(doc_off[-1]), n_seqs=int(seq_off[-1]), n_tokens=int(tok_off[-1]),
                             self_scale=scale, bytes=sizes, corpus={}, seconds=sum(s.seconds for s in infos),
-                            stats={"direction_codes": int(sum(int(d.sum()) for d in dirs))})
+                            stats={"direction_codes": int(sum(int(d.sum()) for d in dirs))},
+                            self_of=infos[0].self_of if len({s.self_of for s in infos}) == 1 else "mixed")
     layout.write_shard_info(out_dir, info)
     return info
 

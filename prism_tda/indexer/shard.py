@@ -23,7 +23,8 @@ from tokenizers import Tokenizer
 
 from prism_tda.corpus import CorpusStats, WorkUnit, is_validation, read_unit
 from prism_tda.engine.calibration import IndexCalibration
-from prism_tda.engine.curvature import CurvatureStats
+from prism_tda.engine.codec import TokenCodec
+from prism_tda.engine.curvature import CurvatureStats, self_influence
 from prism_tda.engine.layout import (
     DOC_ROW_GROUP,
     DOCUMENTS,
@@ -54,6 +55,25 @@ from .calibrate import windows
 
 ENCODE_CHUNK = 1024  # documents tokenised at once
 TOP_CONTEXTS = 32  # per prototype: the shard's tokens that activate it most (prototype pages)
+
+
+def stored_self(codec: TokenCodec, act_table: np.ndarray, inv: torch.Tensor, packed: np.ndarray, is_dir: np.ndarray,
+                targets: np.ndarray, protos: np.ndarray, act_codes: np.ndarray, exact: np.ndarray) -> np.ndarray:
+    """(n,) the ``I(t, t)`` a shard stores: that of what the index holds of each token, the vector its
+    codes decode to with its stored activations, so that a score from the codes divided by it is the
+    cosine of the stored token (``engine/scoring.py``, ``approx_scores``). Dividing by the exact value
+    instead biased every code-scored cosine down by the codes' relative error squared (a k-means
+    reconstruction is shorter than the vector), most for the tokens that match the query best, which
+    then lost their place to direction-coded tokens of equal exact score (docs/benchmarks.md). A
+    direction-coded token keeps its ``exact`` value: its codes hold no length, and the reader gives
+    the decoded direction the length that makes its ``I(t, t)`` this one."""
+    out = np.asarray(exact, dtype=np.float32).copy()
+    at = np.flatnonzero(~np.asarray(is_dir, dtype=bool))
+    if len(at):
+        U = codec.decode(packed[at], targets[at])
+        a = act_table[protos[at], act_codes[at]]
+        out[at] = self_influence(U, protos[at], a, inv)
+    return out
 
 
 class _TopByPrototype:
@@ -123,6 +143,7 @@ class ShardBuilder:
         self.codec = calib.codec(model.W)
         self.Q = calib.curvature.Q.to(device)
         self.inv = calib.curvature.inv()
+        self.act_table = calib.act_table()
         self.inv_sqrt = calib.curvature.inv_sqrt()
         self.sketch = Sketch(self.K, self.d, cfg.embed_dim, cfg.sketch_buckets, cfg.seed)
         self.schemas = schemas(mc.vocab_size, self.K)
@@ -203,12 +224,15 @@ class ShardBuilder:
             utc = ut.float().cpu()
             tokens[rows] = tb.token_ids.cpu().numpy()
             protos[rows] = p.numpy()
-            acts[rows] = self.calib.quantize_acts(a, p)
-            codes[rows], code_dir[rows] = self.codec.encode(ut, tb.targets)
+            act_codes = self.calib.quantize_acts(a, p)
+            acts[rows] = act_codes
+            packed, is_dir = self.codec.encode(ut, tb.targets)
+            codes[rows], code_dir[rows] = packed, is_dir
             # each active prototype's part of I(t, t) = sum_i a_i^2 sum_j (Q^T u)_j^2 / (lam_ij + lam)
             part = a.pow(2) * torch.einsum("nd,nkd->nk", utc.pow(2), self.inv[p])  # (n, k)
             total = part.sum(1)
-            self_raw[rows] = total.numpy()
+            self_raw[rows] = stored_self(self.codec, self.act_table, self.inv, packed, is_dir,
+                                         tb.targets.cpu().numpy(), p.numpy(), act_codes, total.numpy())
             share = part / total.clamp_min(1e-30)[:, None]
             # the first h entries: the prototypes carrying most of I(t, t); the rest: the most active others
             h = {"share": m, "both": (m + 1) // 2, "activation": 0}[cfg.posting_by]
@@ -263,7 +287,7 @@ class ShardBuilder:
                                               "outside_record": self.outside_record},
                          seconds=round(time.perf_counter() - t_start, 3),
                          stats={"loss_sum": float(stats.scalars[1]), "top_cos_sum": float(stats.scalars[2]),
-                                "direction_codes": int(code_dir.sum())})
+                                "direction_codes": int(code_dir.sum())}, self_of="codes")
         write_shard_info(out, info)
         assert dir_bytes(out) > 0
         return info

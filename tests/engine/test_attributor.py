@@ -17,6 +17,7 @@ import torch
 from prism_tda.engine import Attributor, FirstStages, QueryOptions, QuerySpec, layout
 from prism_tda.engine.aggregate import settle_near_ties
 from prism_tda.engine.candidates import posting_plan, read_postings
+from prism_tda.engine.curvature import self_influence
 from prism_tda.engine.scoring import approx_scores, exact_scores, score_tokens
 from prism_tda.engine.shards import CallContext
 from prism_tda.engine.tokens import run_batch
@@ -156,6 +157,12 @@ def test_approximate_scores_track_the_exact_ones(att):
                   data.self_influence, q.G, pre, exact=False)
     np.testing.assert_allclose(ap.raw, dec.raw, rtol=1e-4, atol=1e-6 * np.abs(dec.raw).max())
     np.testing.assert_allclose(ap.slot_val, dec.slot_val, rtol=1e-3, atol=1e-6 * np.abs(dec.slot_val).max())
+    # and the approximate cosine is the stored token's cosine: its score over its own length (the one
+    # its decoded vector has), not over the exact token's
+    own = self_influence(att.reader.token_vectors(ex.tok, data), data.protos, data.acts, pre.inv)
+    live = ap.raw != 0
+    cos_of_stored = ap.raw / np.sqrt(pre.self_influence(q.G) * own)
+    np.testing.assert_allclose(ap.cos[live], cos_of_stored[live], rtol=2e-3)
 
 
 def test_opponents_are_negative_and_ordered(att):
