@@ -111,6 +111,13 @@ TARGETS: list[Target] = [
     Target(24, "`overlap_at_10_fast_vs_exact`, strict, the same 48 fresh held-out queries at 5.18M tokens, "
                "against exact mode's answer (its near-tie settled too)", "near_ties_settled_scale.json",
            "overlap_at_10_fast_vs_exact", ">=", 0.9),
+    Target(24, "`near_tie_query_share`, the served answer, a fresh draw (seed 23, 2026-12-07, the index's "
+               "stored I(t, t) the stored token's): 48 held-out queries no run had asked and 8 planted facts "
+               "(verbatim and paraphrased) at 5.18M tokens", "stored_cosine_scale.json", "near_tie_query_share",
+           "<=", 0.1, "near_tie_query_share_ci95"),
+    Target(24, "`overlap_at_10_fast_vs_exact`, strict, the same 48 fresh held-out queries at 5.18M tokens (the "
+               "index as built before 2026-12-07, the exact I(t, t) stored: 0.915)", "stored_cosine_scale.json",
+           "overlap_at_10_fast_vs_exact", ">=", 0.9),
     Target(24, "`near_tie_query_share`, the served answer, a fresh draw (seed 22, 2026-12-07): 48 held-out "
                "queries no run had asked and 8 planted facts (verbatim and paraphrased) at 5.18M tokens",
            "sketch_stage_scale.json", "near_tie_query_share", "<=", 0.1, "near_tie_query_share_ci95"),
