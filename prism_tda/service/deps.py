@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import threading
 from collections.abc import Callable
@@ -126,6 +127,14 @@ class Services:
         if active >= limit:
             raise refusal(f"this key has {active} queued or running {what} (the limit is {limit}); wait for one "
                           "to finish or cancel one", headers={"Retry-After": str(retry_after_s)})
+
+    def bounded(self, options: QueryOptions) -> QueryOptions:
+        """``options`` as this server runs them: a default the client did not set that is over the
+        server's limits comes down to them (the FAISS stage's 256 sequences under ``opponents``, with
+        ``max_candidates`` below it); a value the client set over them is refused by :meth:`check_limits`."""
+        if options.n_candidates is None and options.sketch_candidates > self.settings.max_candidates:
+            return dataclasses.replace(options, n_candidates=self.settings.max_candidates)
+        return options
 
     def check_limits(self, *, where: str = "", max_new_tokens: int | None = None,
                      n_items: tuple[str, int] | None = None, options: QueryOptions | None = None,

@@ -385,6 +385,34 @@ def test_cost_knobs_are_capped(index, tmp_path):
         assert httpx.post(url, json={**base, "exact_rerank": 32, "exact_tokens": None}, timeout=60).status_code == 200
 
 
+def test_a_default_over_the_limits_comes_down_to_them(index, tmp_path):
+    """``opponents`` searches FAISS for 256 sequences unless told otherwise: a server whose
+    ``max_candidates`` is lower asks for its limit, in an attribution and in an audit's stored options."""
+    from prism_tda.service import create_app
+
+    settings = service_settings(index, tmp_path / "state", max_candidates=64)
+    app = create_app(settings)
+    with serving(settings, app) as live:
+        att = app.state.services.registry.get("tiny").attributor
+        asked: list[int] = []
+        searched = att.candidate_sequences
+
+        def spy(q, n_candidates, *a, **kw):
+            asked.append(n_candidates)
+            return searched(q, n_candidates, *a, **kw)
+
+        att.candidate_sequences = spy
+        base = {"prompt": "A computer", "completion": " is a", "top_k": 3}
+        for extra, want in (({"opponents": True}, 64), ({}, 0), ({"opponents": True, "n_candidates": 32}, 32)):
+            r = httpx.post(live.url + "/v1/attribute", json={**base, **extra}, timeout=60)
+            assert r.status_code == 200, r.text
+            assert asked[-1] == want, (extra, asked)
+        job = httpx.post(live.url + "/v1/audits", json={"items": [{"prompt": "A computer", "completion": " is a"}],
+                                                        "opponents": True}, timeout=60)
+        assert job.status_code == 202, job.text
+        assert job.json()["params"]["n_candidates"] == 64
+
+
 def test_damping_cache_is_bounded(index, tmp_path):
     from prism_tda.service import create_app
 

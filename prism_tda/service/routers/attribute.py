@@ -22,6 +22,7 @@ async def attribute(body: AttributeRequest, request: Request, services: Services
     ix = services.registry.get(body.index)
     options = body.options()
     services.check_limits(max_new_tokens=body.max_new_tokens, options=options, context=ix.attributor.encoder.context)
+    options = services.bounded(options)
     if options.mode == "exact":
         await services.run(ix, ix.check_exact_time, services.settings.exact_max_seconds)
         res = await services.run_cancellable(request, ix, ix.attribute, body.spec(), options)

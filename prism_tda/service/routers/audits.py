@@ -89,6 +89,7 @@ async def create_audit(body: AuditRequest, services: ServicesDep, principal: Pri
     ix = services.registry.get(body.index)
     options = body.options()
     services.check_limits(n_items=("items", len(body.items)), options=options, context=ix.attributor.encoder.context)
+    options = services.bounded(options)
     services.check_limits(n_items=("flag_prototypes", len(body.flag_prototypes or [])))
     await services.check_active(principal, services.state.active_jobs, services.settings.max_active_audits_per_key,
                                 p.AuditQuota, "audits", 30)
