@@ -142,7 +142,8 @@ class Settings(BaseSettings):
         30.0, ge=0, description="Finished (completed or cancelled) audits are deleted, with their items and "
                                 "results, this many days after they finished; 0 keeps them for ever.")
     max_candidates: int = Field(4096, ge=1, description="Most candidate sequences (`n_candidates`) one "
-                                                        "attribution may ask the fast path for.")
+                                                        "attribution may ask the fast path for; a default "
+                                                        "above it (256 under `opponents`) comes down to it.")
     max_exact_rerank: int = Field(256, ge=1, description="Most documents (`exact_rerank`) one fast attribution "
                                                          "may re-score with the model.")
     max_rerank_tokens: int = Field(
