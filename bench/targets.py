@@ -121,8 +121,9 @@ TARGETS: list[Target] = [
     Target(24, "`near_tie_query_share`, the served answer, a fresh draw (seed 22, 2026-12-07): 48 held-out "
                "queries no run had asked and 8 planted facts (verbatim and paraphrased) at 5.18M tokens",
            "sketch_stage_scale.json", "near_tie_query_share", "<=", 0.1, "near_tie_query_share_ci95"),
-    Target(24, "`overlap_at_10_fast_vs_exact`, strict, the same 48 fresh held-out queries at 5.18M tokens; with "
-               "the FAISS sketch stage (n_candidates 256) the same 0.896", "sketch_stage_scale.json",
+    Target(24, "`overlap_at_10_fast_vs_exact`, strict, the same 48 held-out queries at 5.18M tokens (the draw the "
+               "stored I(t, t) change was diagnosed on: 0.896 before it); with the FAISS sketch stage "
+               "(n_candidates 256) the same", "sketch_stage_scale.json",
            "overlap_at_10_fast_vs_exact", ">=", 0.9),
     Target(24, "`near_tie_query_share`, the served answer (a near-tie at the cut settled), the earlier draw: 24 "
                "held-out queries and 8 planted facts (verbatim and paraphrased) at 5.18M tokens, the queries the "
