@@ -14,6 +14,7 @@ shard side's (``engine/shards.py``), which always reads a local ``IndexReader``.
 
 from __future__ import annotations
 
+import logging
 import time
 from pathlib import Path
 from typing import Any, Protocol
@@ -29,6 +30,7 @@ from .layout import IndexConfig, IndexManifest
 from .sketch import Sketch, normalise
 from .takedown import RemovedSet
 
+log = logging.getLogger(__name__)
 
 def read_complete_manifest(index_dir: Path) -> IndexManifest:
     """The manifest of a complete index; a clear error for anything else."""
@@ -52,6 +54,11 @@ class IndexWide:
         self.dir = Path(index_dir)
         self.manifest = read_complete_manifest(self.dir)
         self.cfg: IndexConfig = self.manifest.config
+        older = sum(s.self_of != "codes" for s in self.manifest.shards)
+        if older:
+            log.warning(f"{self.dir}: {older} of {len(self.manifest.shards)} shards store the exact I(t, t), as "
+                        "indexes built before 2026-12-07 do; `prism index --out DIR --upgrade` gives the fast path "
+                        "the stored tokens' own (closer to exact mode, fewer documents re-ranked; docs/indexer.md)")
         self.calib = IndexCalibration.load(self.dir / layout.CALIBRATION)
         self.curv = self.calib.curvature
         self._codec = self.calib.codec(W) if W is not None else None

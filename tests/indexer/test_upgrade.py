@@ -56,7 +56,7 @@ def _as_built_before(index, tiny_ckpt) -> np.ndarray:
     return exact
 
 
-def test_an_index_of_exact_values_upgrades_to_what_a_build_stores(index, tiny_ckpt, tmp_path):
+def test_an_index_of_exact_values_upgrades_to_what_a_build_stores(index, tiny_ckpt, tmp_path, caplog):
     built = _self(index)
     assert {s.self_of for s in layout.read_manifest(index).shards} == {"codes"}
     old = tmp_path / "old"
@@ -67,7 +67,10 @@ def test_an_index_of_exact_values_upgrades_to_what_a_build_stores(index, tiny_ck
     # an earlier index's fast path divides by the exact value: other cosines than a fresh build's
     G = Attributor.open(index).encode(QuerySpec("Love is", " a")).G
     rows = np.arange(len(built))
+    caplog.clear()
     a, b = Attributor.open(index), Attributor.open(old)
+    said = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert len(said) == 1 and "--upgrade" in said[0] and str(old) in said[0]  # the earlier index only
     cos_new = approx_scores(a.reader, G, a.preconditioner(), rows).cos
     assert not np.allclose(approx_scores(b.reader, G, b.preconditioner(), rows).cos, cos_new, rtol=2e-3)
     b.close()
@@ -77,7 +80,9 @@ def test_an_index_of_exact_values_upgrades_to_what_a_build_stores(index, tiny_ck
     np.testing.assert_allclose(_self(old), built, rtol=2e-3)
     assert {s.self_of for s in layout.read_manifest(old).shards} == {"codes"}
     assert all(layout.read_shard_info(s.dir(old)).self_of == "codes" for s in layout.read_manifest(old).shards)
+    caplog.clear()
     b = Attributor.open(old)
+    assert not [r for r in caplog.records if r.levelname == "WARNING"]
     np.testing.assert_allclose(approx_scores(b.reader, G, b.preconditioner(), rows).cos, cos_new, rtol=2e-3)
     b.close()
     # nothing left to do
