@@ -24,7 +24,7 @@ from tokenizers import Tokenizer
 from prism_tda.corpus import CorpusStats, WorkUnit, is_validation, read_unit
 from prism_tda.engine.calibration import IndexCalibration
 from prism_tda.engine.codec import TokenCodec
-from prism_tda.engine.curvature import CurvatureStats, self_influence
+from prism_tda.engine.curvature import CurvatureStats
 from prism_tda.engine.layout import (
     DOC_ROW_GROUP,
     DOCUMENTS,
@@ -70,9 +70,15 @@ def stored_self(codec: TokenCodec, act_table: np.ndarray, inv: torch.Tensor, pac
     out = np.asarray(exact, dtype=np.float32).copy()
     at = np.flatnonzero(~np.asarray(is_dir, dtype=bool))
     if len(at):
-        U = codec.decode(packed[at], targets[at])
-        a = act_table[protos[at], act_codes[at]]
-        out[at] = self_influence(U, protos[at], a, inv)
+        # in float64, one row at a time in numpy's fixed order: the value must not depend on the batch
+        # or on how many threads a process runs (a resumed or compacted shard is the same file)
+        u2 = codec.decode(packed[at], targets[at]).numpy().astype(np.float64) ** 2  # (n, d)
+        a2 = act_table[protos[at], act_codes[at]].astype(np.float64) ** 2  # (n, k)
+        inv64 = inv.numpy().astype(np.float64)
+        total = np.zeros(len(at))
+        for j in range(a2.shape[1]):
+            total += a2[:, j] * (u2 * inv64[protos[at, j]]).sum(1)
+        out[at] = total
     return out
 
 
