@@ -272,7 +272,10 @@ class ShardBuilder:
                                             offsets.astype(np.uint32 if len(pt) < 2**32 else np.uint64))
         sizes["proto_top"] = write_array(array_file(out, "proto_top"), top.row)
         positive = self_raw[self_raw > 0]
-        self_scale = float(np.median(positive)) if len(positive) else 1.0
+        # a power of two near the median: float16's range centred on the shard's values, and a scale
+        # that a last-bit difference in one token's float32 I(t, t) (a forward pass in another process)
+        # does not move, so a rebuilt shard differs from the first at most in that token's rounding
+        self_scale = float(2.0 ** np.round(np.log2(np.median(positive)))) if len(positive) else 1.0
         sizes["self"] = write_array(array_file(out, "self"), (self_raw / self_scale).astype(np.float16))
         sizes["code_dir"] = write_array(array_file(out, "code_dir"), np.packbits(code_dir))
         sizes.update(arrays.publish())

@@ -251,7 +251,7 @@ def test_document_scores_cover_every_document_and_agree_with_the_ranking(att):
     assert all(v.shape == (att.reader.n_docs,) for v in s.values())
     trained = att.reader.trained(np.arange(att.reader.n_docs))
     for aggregation in s:  # every aggregation ranks the (trained) documents as document_scores says
-        res = att.attribute(COMPUTER, exact(5, aggregation=aggregation, tie_break="score"))
+        res = att.attribute(COMPUTER, exact(5, aggregation=aggregation, tie_break="score", keep_opposed=True))
         order = np.nonzero(trained)[0][np.argsort(-s[aggregation][trained], kind="stable")]
         assert [d.score for d in res.documents] == pytest.approx(s[aggregation][order[:5]].tolist(), rel=1e-6)
         assert res.aggregation == aggregation and res.unsettled_beyond_last == 0

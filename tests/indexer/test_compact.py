@@ -23,7 +23,7 @@ from prism_tda.engine.reader import IndexReader
 from prism_tda.engine.takedown import absence, read_removals, remove_documents
 from prism_tda.indexer.compact import compact
 from prism_tda.indexer.run import build_index
-from tests.conftest import REPO
+from tests.conftest import REPO, assert_same_float16
 
 ARRAYS = ("tokens", "protos", "acts", "codes")  # bit for bit; I(t, t) ("self") to float16 precision
 
@@ -43,7 +43,9 @@ def _rows_by_document(index: Path) -> dict[tuple[str, str], dict[str, np.ndarray
     for s, sh in r.held_shards():
         arrays = {name: np.asarray(getattr(sh, name)) for name in ("tokens", "protos", "acts", "codes")}
         # I(t, t), stored as float16 of I / the shard's self_scale (which a rewrite may change)
-        arrays["self"] = np.load(layout.array_file(sh.path, "self")).astype(np.float64) * sh.info.self_scale
+        arrays["self16"] = np.load(layout.array_file(sh.path, "self"))
+        arrays["self"] = arrays["self16"].astype(np.float64) * sh.info.self_scale
+        arrays["self_scale"] = np.full(len(arrays["self16"]), sh.info.self_scale)
         base = int(r.doc_base[s])
         for local in range(sh.info.n_docs):
             doc = base + local
@@ -152,8 +154,10 @@ def test_sigkill_during_compaction_then_rerun_finishes_it(removed_and_compacted,
     new, ref = _rows_by_document(out), _rows_by_document(after)
     assert set(new) == set(ref)
     for key in ref:
-        for name in (*ARRAYS, "self"):
-            assert np.array_equal(new[key][name], ref[key][name])
+        for name in ARRAYS:
+            assert np.array_equal(new[key][name], ref[key][name]), (key, name)
+        assert np.array_equal(new[key]["self_scale"], ref[key]["self_scale"]), key
+        assert_same_float16(new[key]["self16"], ref[key]["self16"], what=str(key))
     s, t = _stats(out), _stats(after)
     for k in s:
         assert np.allclose(s[k], t[k], rtol=1e-9, atol=1e-9), k
