@@ -9,7 +9,9 @@ import os
 import platform
 import socket
 import sys
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -142,6 +144,41 @@ def served(index: str | Path, name: str = "bench", *, poll_s: float = 0.1, optio
         except subprocess.TimeoutExpired:
             server.kill()
         shutil.rmtree(state, ignore_errors=True)
+
+
+def alternating_arms(n: int, arms: dict[str, Callable[[int], Any]], reranked: bool = False) -> dict:
+    """Query ``i`` of ``n`` asked of every arm (``arms``: a name to a function of ``i`` returning an
+    ``Attribution``), the arms' order alternating query by query so that a drift in the machine's speed
+    falls on both; the first arm is the baseline. Returns the share of each query's top documents the
+    arms agree on, the queries whose answers differ, and per arm the median and mean wall milliseconds,
+    the median candidates / shortlist / re-rank milliseconds and (``reranked``) the documents re-ranked."""
+    import time
+
+    names = list(arms)
+    ms: dict[str, list[float]] = {a: [] for a in names}
+    stages: dict[str, list[list[float]]] = {a: [] for a in names}
+    rr: dict[str, list[int]] = {a: [] for a in names}
+    docs: list[dict[str, set[int]]] = [{} for _ in range(n)]
+    for i in range(n):
+        for a in names if i % 2 == 0 else names[::-1]:
+            t0 = time.perf_counter()
+            res = arms[a](i)
+            ms[a].append(1e3 * (time.perf_counter() - t0))
+            t = res.timings_ms
+            stages[a].append([t.candidates, t.shortlist, t.score - t.shortlist])
+            rr[a].append(res.documents_reranked)
+            docs[i][a] = {d.doc_id for d in res.documents}
+    base, other = names[0], names[-1]
+    overlap = np.array([len(d[base] & d[other]) / max(len(d[base]), 1) for d in docs])
+    out: dict[str, Any] = {"answer_overlap_at_10_between_arms": round(float(overlap.mean()), 4),
+                           "queries_whose_answers_differ": int((overlap < 1).sum())}
+    for a in names:
+        med = np.median(stages[a], 0)
+        out[a] = {"p50_ms": round(float(np.median(ms[a])), 1), "mean_ms": round(float(np.mean(ms[a])), 1),
+                  **({"documents_reranked_mean": round(float(np.mean(rr[a])), 2)} if reranked else {}),
+                  "stages_ms_median": {"candidates": round(float(med[0]), 1), "shortlist": round(float(med[1]), 1),
+                                       "rerank": round(float(med[2]), 1)}}
+    return out
 
 
 def interleaved_queries(att, specs: list, opt, arms: dict, repeats: int, stages: tuple[str, ...]) -> tuple[dict, dict]:

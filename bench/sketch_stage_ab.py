@@ -20,12 +20,9 @@ import argparse
 import datetime as dt
 import json
 import sys
-import time
 from pathlib import Path
 
-import numpy as np
-
-from bench._common import finish
+from bench._common import alternating_arms, finish
 
 
 def queries_for(index: Path, heldout: str | None, n: int, seed: int) -> list[tuple[str, str]]:
@@ -61,30 +58,10 @@ def main(argv: list[str] | None = None) -> dict:
     for p in prompts[:3]:  # warm: the model, the tables, the pages the first queries touch
         for o in arms.values():
             att.attribute(QuerySpec(*p), o)
-    ms: dict[str, list[float]] = {k: [] for k in arms}
-    stages: dict[str, list[list[float]]] = {k: [] for k in arms}
-    overlap = []
-    for i in range(args.queries):
-        spec = QuerySpec(*prompts[i % len(prompts)])
-        docs = {}
-        for k in list(arms) if i % 2 == 0 else list(arms)[::-1]:
-            t0 = time.perf_counter()
-            r = att.attribute(spec, arms[k])
-            ms[k].append(1e3 * (time.perf_counter() - t0))
-            t = r.timings_ms
-            stages[k].append([t.candidates, t.shortlist, t.score - t.shortlist])
-            docs[k] = [d.doc_id for d in r.documents]
-        overlap.append(len(set(docs["sketch"]) & set(docs["posting_only"])) / max(len(docs["sketch"]), 1))
+    ask = {k: (lambda i, o=o: att.attribute(QuerySpec(*prompts[i % len(prompts)]), o)) for k, o in arms.items()}
     block = {"queries": args.queries, "distinct_prompts": len(prompts), "tokens": att.reader.n_tokens,
              "faiss": att.reader.manifest.calibration.faiss_spec if att.reader.manifest.calibration else None,
-             "sketch_n_candidates": args.candidates,
-             "answer_overlap_at_10_between_arms": round(float(np.mean(overlap)), 4),
-             "queries_whose_answers_differ": int(np.sum(np.array(overlap) < 1))}
-    for k in arms:
-        med = np.median(stages[k], 0)
-        block[k] = {"p50_ms": round(float(np.median(ms[k])), 1), "mean_ms": round(float(np.mean(ms[k])), 1),
-                    "stages_ms_median": {"candidates": round(float(med[0]), 1), "shortlist": round(float(med[1]), 1),
-                                         "rerank": round(float(med[2]), 1)}}
+             "sketch_n_candidates": args.candidates, **alternating_arms(args.queries, ask)}
     block["command"] = "python bench/sketch_stage_ab.py " + " ".join(sys.argv[1:] if argv is None else argv)
     block["date"] = dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")
     block["p50_ratio_posting_only_to_sketch"] = round(block["posting_only"]["p50_ms"] / block["sketch"]["p50_ms"], 3)

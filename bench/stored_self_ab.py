@@ -24,12 +24,9 @@ import argparse
 import datetime as dt
 import json
 import sys
-import time
 from pathlib import Path
 
-import numpy as np
-
-from bench._common import finish
+from bench._common import alternating_arms, finish
 from bench.sketch_stage_ab import queries_for
 
 
@@ -55,31 +52,9 @@ def main(argv: list[str] | None = None) -> dict:
     for p in prompts[:3]:  # warm: the model, the tables, the pages the first queries touch
         for a in arms.values():
             a.attribute(QuerySpec(*p), opt)
-    ms: dict[str, list[float]] = {k: [] for k in arms}
-    stages: dict[str, list[list[float]]] = {k: [] for k in arms}
-    reranked: dict[str, list[int]] = {k: [] for k in arms}
-    overlap = []
-    for i in range(args.queries):
-        spec = QuerySpec(*prompts[i % len(prompts)])
-        docs = {}
-        for k in list(arms) if i % 2 == 0 else list(arms)[::-1]:
-            t0 = time.perf_counter()
-            r = arms[k].attribute(spec, opt)
-            ms[k].append(1e3 * (time.perf_counter() - t0))
-            t = r.timings_ms
-            stages[k].append([t.candidates, t.shortlist, t.score - t.shortlist])
-            reranked[k].append(r.documents_reranked)
-            docs[k] = [d.doc_id for d in r.documents]
-        overlap.append(len(set(docs["before"]) & set(docs["after"])) / max(len(docs["before"]), 1))
+    ask = {k: (lambda i, a=a: a.attribute(QuerySpec(*prompts[i % len(prompts)]), opt)) for k, a in arms.items()}
     block = {"queries": args.queries, "distinct_prompts": len(prompts), "tokens": arms["after"].reader.n_tokens,
-             "answer_overlap_at_10_between_arms": round(float(np.mean(overlap)), 4),
-             "queries_whose_answers_differ": int(np.sum(np.array(overlap) < 1))}
-    for k in arms:
-        med = np.median(stages[k], 0)
-        block[k] = {"p50_ms": round(float(np.median(ms[k])), 1), "mean_ms": round(float(np.mean(ms[k])), 1),
-                    "documents_reranked_mean": round(float(np.mean(reranked[k])), 2),
-                    "stages_ms_median": {"candidates": round(float(med[0]), 1), "shortlist": round(float(med[1]), 1),
-                                         "rerank": round(float(med[2]), 1)}}
+             **alternating_arms(args.queries, ask, reranked=True)}
     block["p50_ratio_after_to_before"] = round(block["after"]["p50_ms"] / block["before"]["p50_ms"], 3)
     block["command"] = "python bench/stored_self_ab.py " + " ".join(sys.argv[1:] if argv is None else argv)
     block["date"] = dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")

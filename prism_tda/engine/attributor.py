@@ -29,7 +29,6 @@ import numpy as np
 import torch
 
 from prism_tda.errors import PrismError, QueryError, check_stop
-from prism_tda.model import checkpoint as ckpt
 
 from . import layout, scoring
 from . import shards as shards_module
@@ -42,7 +41,7 @@ from .layout import IndexManifest
 from .present import left_out_opposed, scored_document
 from .query import Query, QueryEncoder
 from .reader import IndexReader
-from .reads import Reads, read_complete_manifest
+from .reads import Reads, load_index_checkpoint, read_complete_manifest
 from .scoring import (
     Preconditioner,
     PreconditionerCache,
@@ -101,11 +100,8 @@ class Attributor:
         over all of them). ``cluster``: hold the shards in Ray actors of that cluster
         (``engine/cluster.py``) instead of this process."""
         manifest = read_complete_manifest(Path(index_dir))
-        self.model, self.tokenizer, ck_config = ckpt.load_checkpoint(checkpoint or manifest.checkpoint)
+        self.model, self.tokenizer, ck_config = load_index_checkpoint(Path(index_dir), manifest, checkpoint)
         self.model.eval()
-        if ck_config["files"]["model.safetensors"] != manifest.identity["checkpoint_sha256"]:
-            raise PrismError(f"{index_dir}: index was built from another checkpoint than "
-                             f"{checkpoint or manifest.checkpoint}")
         self.shards: ShardSet
         self.reader: Reads
         if cluster is None:

@@ -44,6 +44,18 @@ def read_complete_manifest(index_dir: Path) -> IndexManifest:
     return m
 
 
+def load_index_checkpoint(index_dir: Path, m: IndexManifest, checkpoint: str | Path | None = None) -> tuple[Any, Any, dict]:
+    """(model, tokenizer, checkpoint config) of ``checkpoint`` (default: the one the manifest names),
+    refused unless its weights are the ones the index ``index_dir`` was built from."""
+    from prism_tda.model import checkpoint as ckpt
+
+    path = checkpoint or m.checkpoint
+    model, tokenizer, ck_config = ckpt.load_checkpoint(path)
+    if ck_config["files"]["model.safetensors"] != m.identity["checkpoint_sha256"]:
+        raise PrismError(f"{index_dir}: the checkpoint {path} is not the one the index was built from")
+    return model, tokenizer, ck_config
+
+
 class IndexWide:
     """The index-wide parts of an index, read in every process that serves it."""
 

@@ -34,9 +34,8 @@ from prism_tda.corpus import WorkUnit
 from prism_tda.engine import layout
 from prism_tda.engine.calibration import IndexCalibration
 from prism_tda.engine.curvature import CurvatureStats
-from prism_tda.engine.reads import read_complete_manifest
+from prism_tda.engine.reads import load_index_checkpoint, read_complete_manifest
 from prism_tda.engine.takedown import read_removals
-from prism_tda.errors import PrismError
 from prism_tda.model import checkpoint as ckpt
 from prism_tda.model.device import autocast_for, pick_device
 
@@ -65,9 +64,7 @@ def compact(index_dir: str | Path, *, progress: bool = True) -> dict[str, Any]:
             todo.setdefault(r.unit, set()).add(r.local)
     stage = index_dir / STAGE
     if todo:
-        model, tokenizer, ck_config = ckpt.load_checkpoint(m.checkpoint)
-        if ck_config["files"]["model.safetensors"] != m.identity["checkpoint_sha256"]:
-            raise PrismError(f"{index_dir}: the checkpoint {m.checkpoint} is not the one the index was built from")
+        model, tokenizer, ck_config = load_index_checkpoint(index_dir, m)
         device = pick_device()
         calib = IndexCalibration.load(index_dir / layout.CALIBRATION)
         train = ck_config.get("training", {}).get("train_config") or {}

@@ -57,7 +57,7 @@ ENCODE_CHUNK = 1024  # documents tokenised at once
 TOP_CONTEXTS = 32  # per prototype: the shard's tokens that activate it most (prototype pages)
 
 
-def stored_self(codec: TokenCodec, act_table: np.ndarray, inv: torch.Tensor, packed: np.ndarray, is_dir: np.ndarray,
+def stored_self(codec: TokenCodec, act_table: np.ndarray, inv64: np.ndarray, packed: np.ndarray, is_dir: np.ndarray,
                 targets: np.ndarray, protos: np.ndarray, act_codes: np.ndarray, exact: np.ndarray) -> np.ndarray:
     """(n,) the ``I(t, t)`` a shard stores: that of what the index holds of each token, the vector its
     codes decode to with its stored activations, so that a score from the codes divided by it is the
@@ -66,7 +66,8 @@ def stored_self(codec: TokenCodec, act_table: np.ndarray, inv: torch.Tensor, pac
     reconstruction is shorter than the vector), most for the tokens that match the query best, which
     then lost their place to direction-coded tokens of equal exact score (docs/benchmarks.md). A
     direction-coded token keeps its ``exact`` value: its codes hold no length, and the reader gives
-    the decoded direction the length that makes its ``I(t, t)`` this one."""
+    the decoded direction the length that makes its ``I(t, t)`` this one. ``inv64``: (K, d) the
+    curvature's inverse eigenvalues in float64."""
     out = np.asarray(exact, dtype=np.float32).copy()
     at = np.flatnonzero(~np.asarray(is_dir, dtype=bool))
     if len(at):
@@ -74,7 +75,6 @@ def stored_self(codec: TokenCodec, act_table: np.ndarray, inv: torch.Tensor, pac
         # or on how many threads a process runs (a resumed or compacted shard is the same file)
         u2 = codec.decode(packed[at], targets[at]).numpy().astype(np.float64) ** 2  # (n, d)
         a2 = act_table[protos[at], act_codes[at]].astype(np.float64) ** 2  # (n, k)
-        inv64 = inv.numpy().astype(np.float64)
         total = np.zeros(len(at))
         for j in range(a2.shape[1]):
             total += a2[:, j] * (u2 * inv64[protos[at, j]]).sum(1)
@@ -149,6 +149,7 @@ class ShardBuilder:
         self.codec = calib.codec(model.W)
         self.Q = calib.curvature.Q.to(device)
         self.inv = calib.curvature.inv()
+        self.inv64 = self.inv.numpy().astype(np.float64)  # stored_self's, converted once
         self.act_table = calib.act_table()
         self.inv_sqrt = calib.curvature.inv_sqrt()
         self.sketch = Sketch(self.K, self.d, cfg.embed_dim, cfg.sketch_buckets, cfg.seed)
@@ -237,7 +238,7 @@ class ShardBuilder:
             # each active prototype's part of I(t, t) = sum_i a_i^2 sum_j (Q^T u)_j^2 / (lam_ij + lam)
             part = a.pow(2) * torch.einsum("nd,nkd->nk", utc.pow(2), self.inv[p])  # (n, k)
             total = part.sum(1)
-            self_raw[rows] = stored_self(self.codec, self.act_table, self.inv, packed, is_dir,
+            self_raw[rows] = stored_self(self.codec, self.act_table, self.inv64, packed, is_dir,
                                          tb.targets.cpu().numpy(), p.numpy(), act_codes, total.numpy())
             share = part / total.clamp_min(1e-30)[:, None]
             # the first h entries: the prototypes carrying most of I(t, t); the rest: the most active others

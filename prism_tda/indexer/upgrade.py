@@ -25,9 +25,7 @@ from tqdm.auto import tqdm
 from prism_tda.engine import layout
 from prism_tda.engine.calibration import IndexCalibration
 from prism_tda.engine.reader import Shard
-from prism_tda.engine.reads import read_complete_manifest
-from prism_tda.errors import PrismError
-from prism_tda.model import checkpoint as ckpt
+from prism_tda.engine.reads import load_index_checkpoint, read_complete_manifest
 
 from .shard import stored_self
 
@@ -45,11 +43,10 @@ def upgrade(index_dir: str | Path, *, progress: bool = True) -> dict[str, Any]:
     todo = [sh for sh in m.shards if (layout.read_shard_info(sh.dir(index_dir)) or sh).self_of != "codes"]
     tokens = 0
     if todo:
-        model, _, ck_config = ckpt.load_checkpoint(m.checkpoint)
-        if ck_config["files"]["model.safetensors"] != m.identity["checkpoint_sha256"]:
-            raise PrismError(f"{index_dir}: the checkpoint {m.checkpoint} is not the one the index was built from")
+        model, _, ck_config = load_index_checkpoint(index_dir, m)
         calib = IndexCalibration.load(index_dir / layout.CALIBRATION)
-        codec, act_table, inv = calib.codec(model.W), calib.act_table(), calib.curvature.inv()
+        codec, act_table = calib.codec(model.W), calib.act_table()
+        inv = calib.curvature.inv().numpy().astype(np.float64)
         bar = tqdm(total=sum(sh.n_tokens for sh in todo), desc="upgrade", unit="tok", unit_scale=True,
                    disable=not progress)
         for info in todo:
@@ -67,7 +64,8 @@ def upgrade(index_dir: str | Path, *, progress: bool = True) -> dict[str, Any]:
     return out
 
 
-def _upgrade_shard(path: Path, info: layout.ShardInfo, codec, act_table: np.ndarray, inv, on_tokens) -> None:
+def _upgrade_shard(path: Path, info: layout.ShardInfo, codec, act_table: np.ndarray, inv: np.ndarray,
+                   on_tokens) -> None:
     sh = Shard(path, info)
     try:
         n = len(sh.tokens)

@@ -11,10 +11,14 @@ import subprocess
 import sys
 
 import numpy as np
+import pytest
 
 from prism_tda.engine import Attributor, QuerySpec, layout
 from prism_tda.engine.reader import IndexReader
 from prism_tda.engine.scoring import approx_scores, exact_scores
+from prism_tda.engine.takedown import remove_documents
+from prism_tda.errors import PrismError
+from prism_tda.indexer.compact import compact
 from prism_tda.indexer.upgrade import upgrade
 from prism_tda.model import checkpoint as ckpt
 from tests.conftest import REPO
@@ -118,3 +122,22 @@ def test_the_cli_upgrades_and_refuses_an_incomplete_index(index, tiny_ckpt, tmp_
     assert json.loads(p.stdout)["shards_upgraded"] == len(layout.read_manifest(old).shards)
     p = subprocess.run([*run[:5], str(tmp_path / "nothing"), *run[6:]], capture_output=True, text=True, cwd=REPO)
     assert p.returncode != 0 and "does not exist" in p.stderr
+
+
+def test_every_job_refuses_a_checkpoint_the_index_was_not_built_from(index, tmp_path):
+    """Opening, upgrading and compacting an index whose manifest names other weights than its
+    checkpoint holds: each refuses, naming the index and the checkpoint."""
+    other = tmp_path / "other"
+    shutil.copytree(index, other)
+    m = layout.read_manifest(other)
+    layout.write_manifest(other, dataclasses.replace(m, identity={**m.identity, "checkpoint_sha256": "0" * 64}))
+    s0 = layout.read_manifest(other).shards[0]
+    layout.write_shard_info(s0.dir(other), dataclasses.replace(layout.read_shard_info(s0.dir(other)), self_of="exact"))
+    for job in (Attributor.open, upgrade):
+        with pytest.raises(PrismError, match="is not the one the index was built from") as e:
+            job(other)
+        assert str(other) in str(e.value) and str(m.checkpoint) in str(e.value)
+    ids = [IndexReader(other).external_id(0)]
+    remove_documents(other, ids, by="test", reason="test")
+    with pytest.raises(PrismError, match="is not the one the index was built from"):
+        compact(other, progress=False)
