@@ -53,10 +53,21 @@ def prism_args(argv: list[str]):
     return build_parser().parse_args(["--log-format", "json", *argv])
 
 
-@pytest.mark.skipif(shutil.which("docker-compose") is None and shutil.which("docker") is None,
-                    reason="neither docker-compose nor docker is installed")
+def compose_command() -> list[str] | None:
+    """docker-compose (v1), or docker's compose plugin where docker has it; None: neither."""
+    if shutil.which("docker-compose"):
+        return ["docker-compose"]
+    if shutil.which("docker") and subprocess.run(["docker", "compose", "version"], capture_output=True,
+                                                 timeout=60).returncode == 0:
+        return ["docker", "compose"]
+    return None
+
+
+@pytest.mark.skipif(compose_command() is None,
+                    reason="neither docker-compose nor docker's compose plugin is installed (apt-get install docker-compose)")
 def test_compose_file_validates():
-    cmd = ["docker-compose"] if shutil.which("docker-compose") else ["docker", "compose"]
+    cmd = compose_command()
+    assert cmd is not None
     env = {**os.environ, "PRISM_ENV_FILE": "deploy/prism.env.example"}
     for profile in ([], ["--profile", "train", "--profile", "index", "--profile", "ray"]):
         proc = subprocess.run([*cmd, "-f", str(COMPOSE), *profile, "config"], cwd=REPO, env=env,
