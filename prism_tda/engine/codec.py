@@ -104,7 +104,7 @@ class TokenCodec:
     def _WQ(self) -> torch.Tensor:
         """(V, d) every token's ``Q^T W[y]``, computed once, in float64 and then rounded: a float32 product's
         last bits depend on how many threads computed it, and the index stores values decoded with it
-        (``indexer/shard.py``, ``stored_self``) that a resumed or compacted build must reproduce to the bit."""
+        (``indexer/shard.py``, ``stored_self``) that a resumed or compacted build reproduces to the bit."""
         with torch.no_grad():
             return (self.W.detach().double() @ self.Q.to(self.W.device).double()).float()
 

@@ -72,7 +72,8 @@ def stored_self(codec: TokenCodec, act_table: np.ndarray, inv64: np.ndarray, pac
     at = np.flatnonzero(~np.asarray(is_dir, dtype=bool))
     if len(at):
         # in float64, one row at a time in numpy's fixed order: the value must not depend on the batch
-        # or on how many threads a process runs (a resumed or compacted shard is the same file)
+        # or on how many threads a process runs (a resumed or compacted shard stores the same values; a
+        # direction-coded token's exact value comes from the forward pass and may not: docs/indexer.md)
         u2 = codec.decode(packed[at], targets[at]).numpy().astype(np.float64) ** 2  # (n, d)
         a2 = act_table[protos[at], act_codes[at]].astype(np.float64) ** 2  # (n, k)
         total = np.zeros(len(at))
