@@ -7,6 +7,7 @@ import json
 import os
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -27,8 +28,6 @@ def assert_same_float16(a, b, *, what: str = "") -> None:
     float32 I(t, t) from the forward pass came out a last bit apart in the other process (a matrix
     product's order is not fixed across processes on every CPU): at most one float16 step apart, and
     no more than one value in a thousand at all."""
-    import numpy as np
-
     a, b = np.asarray(a), np.asarray(b)
     assert a.dtype == b.dtype == np.float16 and a.shape == b.shape, (what, a.dtype, b.dtype, a.shape, b.shape)
     np.testing.assert_array_max_ulp(a, b, maxulp=1)
