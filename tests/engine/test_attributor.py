@@ -160,9 +160,10 @@ def test_approximate_scores_track_the_exact_ones(att):
     # and the approximate cosine is the stored token's cosine: its score over its own length (the one
     # its decoded vector has), not over the exact token's
     own = self_influence(att.reader.token_vectors(ex.tok, data), data.protos, data.acts, pre.inv)
-    live = ap.raw != 0
-    cos_of_stored = ap.raw / np.sqrt(pre.self_influence(q.G) * own)
-    np.testing.assert_allclose(ap.cos[live], cos_of_stored[live], rtol=2e-3)
+    live = ap.raw != 0  # (a token no prototype fired for scores 0 over a length of 0)
+    assert (own[live] > 0).all()
+    cos_of_stored = ap.raw[live] / np.sqrt(pre.self_influence(q.G) * own[live])
+    np.testing.assert_allclose(ap.cos[live], cos_of_stored, rtol=2e-3)
 
 
 def test_opponents_are_negative_and_ordered(att):
