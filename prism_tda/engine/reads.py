@@ -23,6 +23,7 @@ import numpy as np
 import torch
 
 from prism_tda.errors import PrismError
+from prism_tda.model import checkpoint as ckpt
 
 from . import layout
 from .calibration import IndexCalibration
@@ -31,6 +32,7 @@ from .sketch import Sketch, normalise
 from .takedown import RemovedSet
 
 log = logging.getLogger(__name__)
+
 
 def read_complete_manifest(index_dir: Path) -> IndexManifest:
     """The manifest of a complete index; a clear error for anything else."""
@@ -47,8 +49,6 @@ def read_complete_manifest(index_dir: Path) -> IndexManifest:
 def load_index_checkpoint(index_dir: Path, m: IndexManifest, checkpoint: str | Path | None = None) -> tuple[Any, Any, dict]:
     """(model, tokenizer, checkpoint config) of ``checkpoint`` (default: the one the manifest names),
     refused unless its weights are the ones the index ``index_dir`` was built from."""
-    from prism_tda.model import checkpoint as ckpt
-
     path = checkpoint or m.checkpoint
     model, tokenizer, ck_config = ckpt.load_checkpoint(path)
     if ck_config["files"]["model.safetensors"] != m.identity["checkpoint_sha256"]:

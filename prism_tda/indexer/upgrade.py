@@ -43,7 +43,7 @@ def upgrade(index_dir: str | Path, *, progress: bool = True) -> dict[str, Any]:
     todo = [sh for sh in m.shards if (layout.read_shard_info(sh.dir(index_dir)) or sh).self_of != "codes"]
     tokens = 0
     if todo:
-        model, _, ck_config = load_index_checkpoint(index_dir, m)
+        model, _, _ = load_index_checkpoint(index_dir, m)
         calib = IndexCalibration.load(index_dir / layout.CALIBRATION)
         codec, act_table = calib.codec(model.W), calib.act_table()
         inv = calib.curvature.inv().numpy().astype(np.float64)
