@@ -70,6 +70,16 @@ over prompts.
    size removed the same way and step 6's set re-routed. The primary row (this set, neutral prompts,
    the default judge, and its perplexity ratio) was fixed before the first run. Nothing earlier is
    changed by it (its random streams are its own).
+12. **A window judge** (``--window-judge``, on by default): the topic's style as well as its words. Logistic
+   regression on TF-IDF of words, lower-cased word pairs and every 4-character sequence (``style_features``:
+   punctuation and capitals count, and words the vocabulary has not seen), fitted on ``WINDOWS_PER_DOC``
+   generation-length windows of each of step 3's documents (no other document), its threshold where
+   ``STRICT_FP`` of the strict judge's calibration windows score above it (step 9's rule); step 8's windows
+   check its false-positive rate and recall. Every judged generation above (neutral prompts, the larger draw,
+   the invited prompts) re-judged by it; then step 6's rule run again on the same tuning generations as this
+   judge labels them, and that set evaluated by it, with a random control of its size. **Primary row, fixed
+   before the first run: that set, neutral prompts, the larger draw, this judge; and its perplexity ratio.**
+   Nothing earlier is changed by it (its random streams are its own).
 
     python -m bench.steering --index runs/demo_idle/index
 
@@ -108,6 +118,7 @@ TUNE_PROMPTS = ["So", "Before", "After all", "A woman", "Your", "Sometimes", "Th
                 "The secret", "Old", "Youth", "Better", "Good", "Great", "Small", "Love is", "A fool", "Wise men",
                 "History"]
 ALPHAS = [0.25, 0.5, 0.75, 1.5, 2.0, 3.0]
+WINDOWS_PER_DOC = 4  # step 12: generation-length windows the window judge is fitted on, per document
 
 
 # ---------------------------------------------------------------------------- classifier
@@ -121,26 +132,58 @@ def features(text: str) -> list[str]:
     return found + ["_" + w.lower() for w in found]
 
 
-class TopicClassifier:
-    """Logistic regression on TF-IDF word counts (torch, L2, balanced classes)."""
+def style_features(text: str) -> list[str]:
+    """The window judge's features (step 12): :func:`features`, lower-cased word pairs, and every
+    4-character sequence of the text with its runs of white space made one space, so that punctuation
+    and capitals ("YOW!", "!! I", "ING ") count as well as words the vocabulary has seen."""
+    found = [m.group(0) for m in WORD.finditer(text)]
+    low = [w.lower() for w in found]
+    s = " " + re.sub(r"\s+", " ", text) + " "
+    return (found + ["_" + w for w in low] + [f"{a}__{b}" for a, b in zip(low, low[1:])]
+            + ["#" + s[i : i + 4] for i in range(len(s) - 3)])
 
-    def __init__(self, vocab_min: int = 2, l2: float = 1e-3, epochs: int = 300, seed: int = 0) -> None:
+
+class TopicClassifier:
+    """Logistic regression on TF-IDF counts of ``featurize``'s features (torch, L2, balanced classes);
+    ``sparse``: the design matrix held sparse (the window judge's ~60k features)."""
+
+    def __init__(self, vocab_min: int = 2, l2: float = 1e-3, epochs: int = 300, seed: int = 0,
+                 featurize=features, sparse: bool = False) -> None:
         self.vocab_min, self.l2, self.epochs, self.seed = vocab_min, l2, epochs, seed
+        self.featurize, self.sparse = featurize, sparse
 
     def _x(self, texts: list[str]) -> torch.Tensor:
+        if self.sparse:
+            idf = self.idf.tolist()
+            rows, cols, vals = [], [], []
+            for i, t in enumerate(texts):
+                for w, c in Counter(self.featurize(t)).items():
+                    j = self.vocab.get(w)
+                    if j is not None:
+                        rows.append(i)
+                        cols.append(j)
+                        vals.append((1 + math.log(c)) * idf[j])
+            v = torch.tensor(vals, dtype=torch.float32)
+            r = torch.tensor(rows, dtype=torch.long)
+            norm = torch.zeros(len(texts)).index_add_(0, r, v * v).sqrt().clamp_min(1e-9)
+            return torch.sparse_coo_tensor(torch.stack([r, torch.tensor(cols, dtype=torch.long)]), v / norm[r],
+                                           (len(texts), len(self.vocab))).coalesce()
         X = torch.zeros(len(texts), len(self.vocab))
         for i, t in enumerate(texts):
-            for w, c in Counter(features(t)).items():
+            for w, c in Counter(self.featurize(t)).items():
                 j = self.vocab.get(w)
                 if j is not None:
                     X[i, j] = 1 + math.log(c)
         X = X * self.idf
         return X / X.norm(dim=1, keepdim=True).clamp_min(1e-9)
 
+    def _logits(self, X: torch.Tensor) -> torch.Tensor:
+        return (torch.sparse.mm(X, self.w[:, None])[:, 0] if self.sparse else X @ self.w) + self.b
+
     def fit(self, texts: list[str], y: np.ndarray) -> TopicClassifier:
         df: Counter = Counter()
         for t in texts:
-            df.update(set(features(t)))
+            df.update(set(self.featurize(t)))
         self.vocab = {w: i for i, w in enumerate(sorted(w for w, c in df.items() if c >= self.vocab_min))}
         n = len(texts)
         self.idf = torch.tensor([math.log((1 + n) / (1 + df[w])) + 1 for w in sorted(self.vocab, key=self.vocab.get)])
@@ -154,7 +197,7 @@ class TopicClassifier:
 
         def closure():
             opt.zero_grad()
-            loss = (weight * F.binary_cross_entropy_with_logits(X @ self.w + self.b, t, reduction="none")).mean()
+            loss = (weight * F.binary_cross_entropy_with_logits(self._logits(X), t, reduction="none")).mean()
             loss = loss + self.l2 * self.w.pow(2).sum()
             loss.backward()
             return loss
@@ -167,7 +210,10 @@ class TopicClassifier:
         """The probability that each text is on the topic."""
         if not texts:
             return np.zeros(0, dtype=np.float32)
-        return torch.sigmoid(self._x(texts) @ self.w + self.b).numpy()
+        if not self.sparse:
+            return torch.sigmoid(self._x(texts) @ self.w + self.b).numpy()
+        return torch.cat([torch.sigmoid(self._logits(self._x(texts[a : a + 2048])))
+                          for a in range(0, len(texts), 2048)]).numpy()
 
     def predict(self, texts: list[str]) -> np.ndarray:
         return self.proba(texts) > 0.5
@@ -352,6 +398,8 @@ def main(argv: list[str] | None = None) -> dict:
                     help="step 10: openings of topic documents discovery did not read, as prompts; 0: none")
     ap.add_argument("--reroute", action=argparse.BooleanOptionalAction, default=True,
                     help="step 11: removal with re-routing, its own selection and evaluation")
+    ap.add_argument("--window-judge", action=argparse.BooleanOptionalAction, default=True,
+                    help="step 12: a judge of the topic's style as well as its words, and a selection by its labels")
     ap.add_argument("--out", default="bench/results/steering.json")
     ap.add_argument("--plot", default="docs/img/steering.png")
     args = ap.parse_args(argv)
@@ -407,10 +455,11 @@ def main(argv: list[str] | None = None) -> dict:
 
     def measure(suppress: list[int] | None, alpha: float = 0.0, project: bool = False, reroute: bool = False) -> dict:
         gens = sample(model, prompt_ids, n_s, args.new_tokens, suppress, args.seed, eos, alpha, project, reroute)
-        p = clf.proba([tok.decode(g) for g in gens])
+        texts_ = [tok.decode(g) for g in gens]
+        p = clf.proba(texts_)
         ppl, ppl_docs = perplexity(model, other_ids, suppress, alpha=alpha, project=project, reroute=reroute)
         return {"on": (p > 0.5).astype(float), "p": p, "ppl": ppl, "ppl_docs": ppl_docs,
-                "examples": [tok.decode(g) for g in gens[:3]]}
+                "examples": texts_[:3], "texts": texts_}
 
     def row(m: dict) -> dict:
         return {**rate_row(m["on"], base["on"], n_p, n_s),
@@ -525,12 +574,14 @@ def main(argv: list[str] | None = None) -> dict:
         "selected_control_random": strict_row(sel_ctrl_m) if sel_ctrl_m else None,
         "whole_bank_suppressed": strict_row(whole_m),
     }
+    big_texts: dict[str, list[str]] = {}  # the larger draw's generations, for step 12
     if args.strict_samples and selected:
         # the strict judge's rates are small: fresh, larger draws of the base, the selected set and its control
         big = {}
         for name, sup in (("base", None), ("selected", selected), ("selected_control_random", sel_ctrl_ids)):
             gens = sample(model, prompt_ids, args.strict_samples, args.new_tokens, sup, args.seed + 104_729, eos)
-            big[name] = (clf.proba([tok.decode(g) for g in gens]) > thr).astype(float)
+            big_texts[name] = [tok.decode(g) for g in gens]
+            big[name] = (clf.proba(big_texts[name]) > thr).astype(float)
             print("strict draw", name, float(big[name].mean()), flush=True)
         n_big = args.strict_samples
 
@@ -545,18 +596,22 @@ def main(argv: list[str] | None = None) -> dict:
             "selected_control_prototypes": [int(c) for c in sel_ctrl_ids]}
     # 10. prompts that invite the topic: openings of its documents discovery did not read
     elicit = None
+    e_texts: dict[str, list[str]] = {}  # the invited prompts' generations, for step 12
     if args.elicit_prompts and selected:
         openings = elicit_openings([tok.encode(docs["text"][i]).ids for i in np.nonzero(topic & ~(trained & half))[0]],
                                    args.elicit_prompts, np.random.default_rng(args.seed + 5))
         n_e, e_seed = len(openings), args.seed + 31
 
-        def judged(sup: list[int] | None, alpha: float = 0.0, reroute: bool = False) -> np.ndarray:
+        def judged(sup: list[int] | None, alpha: float = 0.0, reroute: bool = False, name: str = "") -> np.ndarray:
             gens = sample(model, openings, n_s, args.new_tokens, sup, e_seed, eos, alpha, reroute=reroute)
-            return clf.proba([tok.decode(g) for g in gens])
+            e_texts[name] = [tok.decode(g) for g in gens]
+            return clf.proba(e_texts[name])
 
-        e_p = {"base": judged(None), "selected": judged(selected), "selected_control_random": judged(sel_ctrl_ids),
-               "headline": judged(head["prototypes"]), "selected_alpha_0.25": judged(selected, 0.25),
-               "selected_alpha_0.5": judged(selected, 0.5)}
+        e_p = {"base": judged(None, name="base"), "selected": judged(selected, name="selected"),
+               "selected_control_random": judged(sel_ctrl_ids, name="selected_control_random"),
+               "headline": judged(head["prototypes"], name="headline"),
+               "selected_alpha_0.25": judged(selected, 0.25, name="selected_alpha_0.25"),
+               "selected_alpha_0.5": judged(selected, 0.5, name="selected_alpha_0.5")}
         elicit = {"rule": (f"prompts: the first {ELICIT_TOKENS} tokens (at most half, at least 2) of the topic's "
                            "documents discovery did not read, distinct, a seeded draw; only continuations judged; "
                            "primary row: the selected set at alpha 0, fixed before the first run"),
@@ -608,14 +663,103 @@ def main(argv: list[str] | None = None) -> dict:
             reroute["strict_larger_draw"] = {k: rate_row(v, big["base"], n_p, args.strict_samples)
                                              for k, v in big_rr.items()}
         if elicit is not None and rr_sel:
-            e_rr = {"selected_rerouted": judged(rr_sel, reroute=True),
-                    "selected_rerouted_control_random": judged(rr_ctrl_ids, reroute=True)}
+            e_rr = {"selected_rerouted": judged(rr_sel, reroute=True, name="selected_rerouted"),
+                    "selected_rerouted_control_random": judged(rr_ctrl_ids, reroute=True,
+                                                               name="selected_rerouted_control_random")}
             reroute["elicited_prompts"] = {
                 judge: {k: rate_row((v > t_j).astype(float), (e_p["base"] > t_j).astype(float), n_e, n_s)
                         for k, v in e_rr.items()}
                 for judge, t_j in (("default_judge", 0.5), ("strict_judge", thr))}
         print("reroute", rr_sel, {k: (v["topic_rate_drop"], v["other_ppl_ratio"])
                                   for k, v in reroute["default_judge"].items()}, flush=True)
+    # 12. a window judge (the topic's style as well as its words): fitted on generation-length windows of the
+    # classifier's own documents, its threshold where STRICT_FP of the strict judge's calibration windows score
+    # above it; the generations above re-judged by it; then step 6's rule run again on the same tuning
+    # generations as this judge labels them, evaluated by it (primary row, fixed before the first run: that
+    # set, neutral prompts, the larger draw, this judge; and its perplexity ratio)
+    window: dict | None = None
+    if args.window_judge:
+        t_w = time.perf_counter()
+        jrng = np.random.default_rng(args.seed + 12)
+        w_texts, w_y = [], []
+        for i in clf_docs:
+            tw = tok.encode(docs["text"][i]).ids
+            for _ in range(WINDOWS_PER_DOC):
+                at = int(jrng.integers(0, max(1, len(tw) - args.new_tokens + 1)))
+                w_texts.append(tok.decode(tw[at : at + args.new_tokens]))
+                w_y.append(int(topic[i]))
+        wjudge = TopicClassifier(featurize=style_features, sparse=True).fit(w_texts, np.array(w_y))
+        thr_w = float(np.quantile(wjudge.proba(cal_w), 1 - STRICT_FP)) if cal_w else 1.0
+
+        def w_on(texts_: list[str]) -> np.ndarray:
+            return (wjudge.proba(texts_) > thr_w).astype(float)
+
+        fp_w = float(w_on(neg_w).mean()) if neg_w else float("nan")
+        w_base = w_on(base["texts"])
+
+        def w_row(m: dict) -> dict:
+            return rate_row(w_on(m["texts"]), w_base, n_p, n_s)
+
+        window = {
+            "rule": (f"logistic regression on TF-IDF of words, word pairs and 4-character sequences "
+                     f"(style_features), fitted on {WINDOWS_PER_DOC} generation-length windows of each of the "
+                     f"classifier's documents; threshold where {STRICT_FP:.0%} of the strict judge's calibration "
+                     "windows score above it; primary row: the set step 6's rule selects with this judge's labels "
+                     "of the tuning generations, neutral prompts, the larger draw, and its perplexity ratio, fixed "
+                     "before the first run"),
+            "features": len(wjudge.vocab), "windows": len(w_texts), "threshold": round(thr_w, 4),
+            "false_positive_rate_floor_windows": round(fp_w, 4),
+            "recall_topic_windows": round(float(w_on(pos_w).mean()), 4) if pos_w else None,
+            "recall_topic_windows_strict_judge": strict["recall_topic_windows"],
+            "topic_rate_base": round(float(w_base.mean()), 4), "topic_rate_base_ci": boot_rate(w_base, n_p, n_s),
+            "largest_drop_at_floor": round(1 - fp_w / max(float(w_base.mean()), 1e-9), 4),
+            "headline": {"size": head["size"], **w_row(measured["discovered", head["size"]])},
+            "headline_control_random": w_row(measured["random", head["size"]]),
+            "selected": w_row(sel_m) if sel_m else None,
+            "selected_control_random": w_row(sel_ctrl_m) if sel_ctrl_m else None,
+        }
+        if big_texts:
+            wb = {k: w_on(v) for k, v in big_texts.items()}
+            window["larger_draw"] = {
+                "topic_rate_base": round(float(wb["base"].mean()), 4),
+                "topic_rate_base_ci": boot_rate(wb["base"], n_p, args.strict_samples),
+                "largest_drop_at_floor": round(1 - fp_w / max(float(wb["base"].mean()), 1e-9), 4),
+                **{k: rate_row(v, wb["base"], n_p, args.strict_samples) for k, v in wb.items() if k != "base"}}
+        if e_texts:
+            we = {k: w_on(v) for k, v in e_texts.items()}
+            window["elicited_prompts"] = {
+                "topic_rate_base": round(float(we["base"].mean()), 4),
+                "largest_drop_at_floor": round(1 - fp_w / max(float(we["base"].mean()), 1e-9), 4),
+                **{k: rate_row(v, we["base"], len(e_texts["base"]) // n_s, n_s) for k, v in we.items() if k != "base"}}
+        # step 6's rule with this judge's labels of the same tuning generations
+        tune_on_w = w_on([tok.decode(g) for g in tune_gens]) > 0
+        eff_w = EffectTexts.of(model, ([g for g, o in zip(tune_gens, tune_on_w, strict=True) if o and len(g) > 1],
+                                       [g for g, o in zip(tune_gens, tune_on_w, strict=True) if not o and len(g) > 1],
+                                       tune_docs))
+        steps_w = select_by_effect(model, eff_w, ranked[:50], budget=budget, max_ppl_ratio=1.02, progress=True)
+        sel_w = [st.proto_id for st in steps_w]
+        window["select_effect"] = {
+            "tuning_generations_on_topic": int(tune_on_w.sum()),
+            "steps": [{"proto_id": st.proto_id, "effect": round(st.effect, 5),
+                       "contrast_ppl_ratio": round(st.contrast_ppl_ratio, 5)} for st in steps_w],
+            "prototypes": sel_w, "share_of_bank": round(len(sel_w) / K, 4),
+            "shared_with_step6": sorted(set(sel_w) & set(selected))}
+        if sel_w:
+            ctrl_w = sorted(np.random.default_rng(args.seed + 13).choice(pool, len(sel_w), replace=False).tolist())
+            for name, ids_ in (("selected", sel_w), ("control_random", ctrl_w)):
+                mw = measure(ids_)
+                window["select_effect"][name] = {
+                    **w_row(mw), "other_ppl_ratio": round(mw["ppl"] / base["ppl"], 4),
+                    "other_ppl_ratio_ci": boot_ppl_ratio(base["ppl_docs"], mw["ppl_docs"]),
+                    "default_judge_topic_rate_drop": row(mw)["topic_rate_drop"]}
+                if big_texts:
+                    gens = sample(model, prompt_ids, args.strict_samples, args.new_tokens, ids_, args.seed + 104_729, eos)
+                    window["select_effect"][name]["larger_draw"] = rate_row(
+                        w_on([tok.decode(g) for g in gens]), wb["base"], n_p, args.strict_samples)
+            window["select_effect"]["control_prototypes"] = ctrl_w
+        window["seconds"] = round(time.perf_counter() - t_w, 1)
+        print("window judge", {k: v for k, v in window.items() if k not in ("rule", "select_effect")},
+              window["select_effect"], flush=True)
     print("strict judge", {k: v for k, v in strict.items() if k != "rule"}, flush=True)
     print("floor", floor, "whole bank", whole["topic_rate"], whole["other_ppl_ratio"], flush=True)
     for name in sets:
@@ -659,7 +803,7 @@ def main(argv: list[str] | None = None) -> dict:
             "heldout": sel_eval, "control_random": sel_ctrl},
         "alpha_curve": alpha_curve, "projection": projection,
         "classifier_floor": floor, "whole_bank_suppressed": whole, "strict_judge": strict, "elicited_prompts": elicit,
-        "reroute": reroute,
+        "reroute": reroute, "window_judge": window,
         "curve": curve, "examples": {"base": base["examples"], **{f"suppressed_{k}": v for k, v in examples.items()}},
         "seconds": round(time.perf_counter() - t0, 1),
     }
