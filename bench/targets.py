@@ -183,7 +183,8 @@ TARGETS: list[Target] = [
            "this judge can show at most 0.735 at this base rate"),
     Target(27, "`topic_rate_drop`, the same set, prompts that invite the topic, strict judge", "steering.json",
            "elicited_prompts.strict_judge.selected.topic_rate_drop", ">=", 0.75,
-           "elicited_prompts.strict_judge.selected.topic_rate_drop_ci"),
+           "elicited_prompts.strict_judge.selected.topic_rate_drop_ci",
+           "the topic's vocabulary: the window judge, which sees its style too, gives this set 0.017 here"),
     Target(27, "`topic_rate_drop`, the same set, prompts that invite the topic, default judge", "steering.json",
            "elicited_prompts.default_judge.selected.topic_rate_drop", ">=", 0.75,
            "elicited_prompts.default_judge.selected.topic_rate_drop_ci"),
@@ -193,6 +194,18 @@ TARGETS: list[Target] = [
     Target(27, "`other_ppl_ratio`, the same re-routed set", "steering.json",
            "reroute.default_judge.selected_rerouted.other_ppl_ratio", "<=", 1.02,
            "reroute.default_judge.selected_rerouted.other_ppl_ratio_ci"),
+    Target(27, "`topic_rate_drop`, step 6's set, strict judge's larger draw re-judged by the window judge (style "
+               "as well as words, 1% false-positive threshold)", "steering.json",
+           "window_judge.larger_draw.selected.topic_rate_drop", ">=", 0.75,
+           "window_judge.larger_draw.selected.topic_rate_drop_ci",
+           "this judge can show at most 0.643 at this base rate; where the prompt invites the topic it sees this set "
+           "drop it by 0.017, and discovery's top 10 by 0.80"),
+    Target(27, "`topic_rate_drop`, a set selected with the window judge's labels, neutral prompts, 5,000 generations, "
+               "window judge", "steering.json", "window_judge.select_effect.selected.larger_draw.topic_rate_drop",
+           ">=", 0.75, "window_judge.select_effect.selected.larger_draw.topic_rate_drop_ci"),
+    Target(27, "`other_ppl_ratio`, the same set", "steering.json",
+           "window_judge.select_effect.selected.other_ppl_ratio", "<=", 1.02,
+           "window_judge.select_effect.selected.other_ppl_ratio_ci"),
     Target(27, "`controller_gain_points` (multiple choice, held out)", "control.json", "controller_gain_points", None,
            None, "controller_gain_points_ci"),
     Target(27, "random-direction controller of the same size, gain in points", "control.json", "random_gain_points",

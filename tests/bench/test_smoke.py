@@ -584,3 +584,38 @@ def test_near_ties_counts_the_served_answer_as_exact_mode_returns_it(index):
         assert count == (10 + res.unsettled_beyond_last if res.unsettled_beyond_last else 10)
         tied += near_ties(s["cosine_max"], every) > 10
     assert tied >= 1  # the queries include a cut inside a near-tie
+
+
+def test_steering_window_judge_sees_a_style_the_words_do_not_show():
+    """bench/steering.py's step 12 judge: its features count 4-character sequences over the text with white
+    space made one space; held sparse it scores as held dense; and on texts whose topic is a style (capitals
+    and '!!') written in words no training text used, it separates topic from other text where the word
+    features alone cannot."""
+    import numpy as np
+
+    from bench.steering import TopicClassifier, features, style_features
+
+    f = style_features("Yow!!\n\tAre we")
+    assert "#Yow!" in f and "#!! A" in f and "_yow" in f and "yow__are" in f and not any("\n" in x for x in f)
+    rng = np.random.default_rng(0)
+    letters = np.array(list("bcdfghklmnprstvz"))
+
+    def word(n: int) -> str:
+        return "".join(rng.choice(letters, n)) + "a"
+
+    def text(topic: bool) -> str:
+        ws = [word(int(rng.integers(3, 7))) for _ in range(8)]
+        if topic:  # the style: capitals and '!!', never the same word twice
+            return " ".join(w.upper() + ("!!" if i % 2 else "") for i, w in enumerate(ws))
+        return " ".join(ws) + "."
+
+    y = np.array([1, 0] * 60)
+    train = [text(bool(v)) for v in y]
+    test_y = np.array([1, 0] * 40)
+    test = [text(bool(v)) for v in test_y]
+    dense = TopicClassifier(featurize=style_features).fit(train, y)
+    sparse = TopicClassifier(featurize=style_features, sparse=True).fit(train, y)
+    assert np.allclose(dense.proba(test), sparse.proba(test), atol=1e-4)
+    assert ((sparse.proba(test) > 0.5) == (test_y == 1)).mean() == 1.0
+    words_only = TopicClassifier(featurize=features).fit(train, y)  # test words almost all unseen: little signal
+    assert ((words_only.proba(test) > 0.5) == (test_y == 1)).mean() < 0.75
