@@ -80,6 +80,12 @@ over prompts.
    judge labels them, and that set evaluated by it, with a random control of its size. **Primary row, fixed
    before the first run: that set, neutral prompts, the larger draw, this judge; and its perplexity ratio.**
    Nothing earlier is changed by it (its random streams are its own).
+13. **One set for both parts of the topic** (``--both-judges-samples``, 30 by default): step 6's rule on a larger
+   tuning draw (the tuning prompts, that many samples each, their own seed), a generation counted on the topic
+   when either judge says so (the strict word judge or the window judge, each at its 1% false-positive
+   threshold); the set evaluated by
+   both judges on the larger draw and the invited prompts. **Primary row, fixed before the first run: this
+   set, neutral prompts, the larger draw, the drop under each judge, and its perplexity ratio.**
 
     python -m bench.steering --index runs/demo_idle/index
 
@@ -400,6 +406,8 @@ def main(argv: list[str] | None = None) -> dict:
                     help="step 11: removal with re-routing, its own selection and evaluation")
     ap.add_argument("--window-judge", action=argparse.BooleanOptionalAction, default=True,
                     help="step 12: a judge of the topic's style as well as its words, and a selection by its labels")
+    ap.add_argument("--both-judges-samples", type=int, default=30,
+                    help="step 13: tuning samples per tuning prompt for the selection both judges label; 0: none")
     ap.add_argument("--out", default="bench/results/steering.json")
     ap.add_argument("--plot", default="docs/img/steering.png")
     args = ap.parse_args(argv)
@@ -758,6 +766,54 @@ def main(argv: list[str] | None = None) -> dict:
                         w_on([tok.decode(g) for g in gens]), wb["base"], n_p, args.strict_samples)
             window["select_effect"]["control_prototypes"] = ctrl_w
         window["seconds"] = round(time.perf_counter() - t_w, 1)
+        # 13. one set for both parts of the topic: step 6's rule on a larger tuning draw (its own seed), a
+        # generation on the topic when either judge says so (the strict word judge or this one, each at its 1%
+        # false-positive threshold);
+        # evaluated by both judges (primary row, fixed before the first run: this set, neutral prompts, the
+        # larger draw, the drop under each judge, and its perplexity ratio)
+        if args.both_judges_samples and big_texts:
+            t_b = time.perf_counter()
+            gens_b = sample(model, tune_ids, args.both_judges_samples, args.new_tokens, None, args.seed + 7927, eos)
+            texts_b = [tok.decode(g) for g in gens_b]
+            on_word, on_style = clf.proba(texts_b) > thr, w_on(texts_b) > 0
+            on_b = on_word | on_style
+            eff_b = EffectTexts.of(model, ([g for g, o in zip(gens_b, on_b, strict=True) if o and len(g) > 1],
+                                           [g for g, o in zip(gens_b, on_b, strict=True) if not o and len(g) > 1],
+                                           tune_docs))
+            steps_b = select_by_effect(model, eff_b, ranked[:50], budget=budget, max_ppl_ratio=1.02, progress=True)
+            sel_b = [st.proto_id for st in steps_b]
+            both: dict = {
+                "rule": ("step 6's rule on --both-judges-samples tuning generations per tuning prompt (seed + 7927), on "
+                         "the topic when the strict word judge or the window judge (each at its 1% false-positive threshold) says "
+                         "so; primary row: "
+                         "this set, neutral prompts, the larger draw, the drop under each judge, and its perplexity "
+                         "ratio, fixed before the first run"),
+                "tuning_generations": len(texts_b), "on_topic_word_judge": int(on_word.sum()),
+                "on_topic_window_judge": int(on_style.sum()), "on_topic_either": int(on_b.sum()),
+                "steps": [{"proto_id": st.proto_id, "effect": round(st.effect, 5),
+                           "contrast_ppl_ratio": round(st.contrast_ppl_ratio, 5)} for st in steps_b],
+                "prototypes": sel_b, "share_of_bank": round(len(sel_b) / K, 4),
+                "shared_with_step6": sorted(set(sel_b) & set(selected)), "shared_with_window_selection": sorted(set(sel_b) & set(sel_w))}
+            if sel_b:
+                mb = measure(sel_b)
+                gens = sample(model, prompt_ids, args.strict_samples, args.new_tokens, sel_b, args.seed + 104_729, eos)
+                tb = [tok.decode(g) for g in gens]
+                both["other_ppl_ratio"] = round(mb["ppl"] / base["ppl"], 4)
+                both["other_ppl_ratio_ci"] = boot_ppl_ratio(base["ppl_docs"], mb["ppl_docs"])
+                both["default_judge"] = row(mb)
+                both["larger_draw"] = {"strict_judge": rate_row((clf.proba(tb) > thr).astype(float), big["base"], n_p,
+                                                                args.strict_samples),
+                                       "window_judge": rate_row(w_on(tb), wb["base"], n_p, args.strict_samples)}
+                if e_texts:
+                    gens = sample(model, openings, n_s, args.new_tokens, sel_b, e_seed, eos)
+                    te = [tok.decode(g) for g in gens]
+                    both["elicited_prompts"] = {
+                        "strict_judge": rate_row((clf.proba(te) > thr).astype(float), (e_p["base"] > thr).astype(float),
+                                                 n_e, n_s),
+                        "window_judge": rate_row(w_on(te), we["base"], n_e, n_s)}
+            both["seconds"] = round(time.perf_counter() - t_b, 1)
+            window["both_judges"] = both
+            print("both judges", both, flush=True)
         print("window judge", {k: v for k, v in window.items() if k not in ("rule", "select_effect")},
               window["select_effect"], flush=True)
     print("strict judge", {k: v for k, v in strict.items() if k != "rule"}, flush=True)
