@@ -83,9 +83,9 @@ over prompts.
 13. **One set for both parts of the topic** (``--both-judges-samples``, 30 by default): step 6's rule on a larger
    tuning draw (the tuning prompts, that many samples each, their own seed), a generation counted on the topic
    when either judge says so (the strict word judge or the window judge, each at its 1% false-positive
-   threshold); the set evaluated by
-   both judges on the larger draw and the invited prompts. **Primary row, fixed before the first run: this
-   set, neutral prompts, the larger draw, the drop under each judge, and its perplexity ratio.**
+   threshold); the set evaluated by both judges on the larger draw and the invited prompts. **Primary row,
+   fixed before the first run: this set, neutral prompts, the larger draw, the drop under each judge, and its
+   perplexity ratio.**
 
     python -m bench.steering --index runs/demo_idle/index
 
