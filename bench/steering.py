@@ -501,12 +501,17 @@ def main(argv: list[str] | None = None) -> dict:
     budget = int(0.02 * K)
     tune_ids = [tok.encode(p).ids for p in TUNE_PROMPTS]
     tune_gens = sample(model, tune_ids, n_s, args.new_tokens, None, args.seed + 7919, eos)
-    tune_on = clf.predict([tok.decode(g) for g in tune_gens])
+    tune_texts = [tok.decode(g) for g in tune_gens]
+    tune_on = clf.predict(tune_texts)
     tune_docs = [tok.encode(docs["text"][i]).ids
                  for i in [i for i in held if not topic[i]][args.ppl_docs : args.ppl_docs + args.tune_docs]]
-    eff_texts = EffectTexts.of(model, ([g for g, o in zip(tune_gens, tune_on, strict=True) if o and len(g) > 1],
-                                       [g for g, o in zip(tune_gens, tune_on, strict=True) if not o and len(g) > 1],
-                                       tune_docs))
+
+    def effect_texts(gens: list[list[int]], on: np.ndarray) -> EffectTexts:
+        """The selection's texts: the generations ``on`` the topic, the others, and the contrast documents."""
+        return EffectTexts.of(model, ([g for g, o in zip(gens, on, strict=True) if o and len(g) > 1],
+                                      [g for g, o in zip(gens, on, strict=True) if not o and len(g) > 1], tune_docs))
+
+    eff_texts = effect_texts(tune_gens, tune_on)
     steps = select_by_effect(model, eff_texts, ranked[:50], budget=budget, max_ppl_ratio=1.02, progress=True)
     selected = [st.proto_id for st in steps]
     sel_s = time.perf_counter() - t_sel
@@ -740,10 +745,8 @@ def main(argv: list[str] | None = None) -> dict:
                 "largest_drop_at_floor": round(1 - fp_w / max(float(we["base"].mean()), 1e-9), 4),
                 **{k: rate_row(v, we["base"], len(e_texts["base"]) // n_s, n_s) for k, v in we.items() if k != "base"}}
         # step 6's rule with this judge's labels of the same tuning generations
-        tune_on_w = w_on([tok.decode(g) for g in tune_gens]) > 0
-        eff_w = EffectTexts.of(model, ([g for g, o in zip(tune_gens, tune_on_w, strict=True) if o and len(g) > 1],
-                                       [g for g, o in zip(tune_gens, tune_on_w, strict=True) if not o and len(g) > 1],
-                                       tune_docs))
+        tune_on_w = w_on(tune_texts) > 0
+        eff_w = effect_texts(tune_gens, tune_on_w)
         steps_w = select_by_effect(model, eff_w, ranked[:50], budget=budget, max_ppl_ratio=1.02, progress=True)
         sel_w = [st.proto_id for st in steps_w]
         window["select_effect"] = {
@@ -777,9 +780,7 @@ def main(argv: list[str] | None = None) -> dict:
             texts_b = [tok.decode(g) for g in gens_b]
             on_word, on_style = clf.proba(texts_b) > thr, w_on(texts_b) > 0
             on_b = on_word | on_style
-            eff_b = EffectTexts.of(model, ([g for g, o in zip(gens_b, on_b, strict=True) if o and len(g) > 1],
-                                           [g for g, o in zip(gens_b, on_b, strict=True) if not o and len(g) > 1],
-                                           tune_docs))
+            eff_b = effect_texts(gens_b, on_b)
             steps_b = select_by_effect(model, eff_b, ranked[:50], budget=budget, max_ppl_ratio=1.02, progress=True)
             sel_b = [st.proto_id for st in steps_b]
             both: dict = {
