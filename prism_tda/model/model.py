@@ -298,6 +298,8 @@ class PRISM(nn.Module):
         alpha: torch.Tensor | float = 0.0,
         project: bool = False,
         reroute: bool = False,
+        gate: float | None = None,
+        gate_window: int = 16,
     ) -> ModelOutput:
         """Logits and, given targets (B, T), the training loss ``L_CE + sum lam * L_aux``.
 
@@ -311,13 +313,23 @@ class PRISM(nn.Module):
         ``reroute`` (``alpha`` 0 only) the listed prototypes are removed and each token's active set is
         chosen again without them, so the next-nearest prototypes take their place; the residual ``r_t``
         is kept, so the logits stay ``W r_t + sum_{i in K'_t} a'_{t,i} W p_i``.
+
+        ``gate`` (conditional steering): the listed prototypes are scaled only at positions where their
+        share of the activation mass, averaged over the last ``gate_window`` positions (the position
+        itself included), is at least ``gate`` (:meth:`suppression_gate`); elsewhere the logits are the
+        unscaled model's. Either way each position's logits decompose exactly.
         """
         z = self.hidden(idx)  # (B, T, d)
         if suppress is not None:
             if targets is not None or self.head is None:
                 raise ValueError("suppress is for inference with a PRISM head (no targets)")
+            where = None
+            if gate is not None:
+                where = self.suppression_gate(z[:, -gate_window:] if last_only else z, suppress, gate, gate_window)
+                where = where[:, -1:] if last_only else where
             zs = z[:, -1:] if last_only else z
-            return ModelOutput(logits=F.linear(self.steered_hidden(zs, suppress, alpha, project, reroute), self.W), z=z)
+            return ModelOutput(logits=F.linear(self.steered_hidden(zs, suppress, alpha, project, reroute, where),
+                                               self.W), z=z)
         if last_only and targets is None:
             return ModelOutput(logits=F.linear(z[:, -1:], self.W), z=z)
         logits = F.linear(z, self.W)  # (B, T, V) == W r + sum a W p
@@ -378,11 +390,41 @@ class PRISM(nn.Module):
         return scale
 
     @torch.no_grad()
+    def suppression_gate(self, z: torch.Tensor, suppress: torch.Tensor, gate: float, window: int = 16) -> torch.Tensor:
+        """(B, T) where conditional steering acts on hidden states z (B, T, d): the listed prototypes' share
+        of each position's activation mass, ``sum_{i in K_t & S} a_{t,i} / sum_{i in K_t} a_{t,i}``, averaged
+        over the last ``window`` positions up to and including t (fewer at the start), is at least ``gate``.
+        Causal: a position's gate never depends on a later one."""
+        assert self.head is not None
+        if not (math.isfinite(gate) and 0.0 <= gate <= 1.0):
+            raise ValueError(f"gate: a share of the activation mass, in [0, 1]; got {gate}")
+        if window < 1:
+            raise ValueError(f"gate_window: at least 1 position; got {window}")
+        B, T, d = z.shape
+        h = self.head(z.reshape(-1, d))
+        ids = torch.as_tensor(suppress, dtype=torch.long).reshape(-1).to(z.device)
+        acts = h.acts.float()
+        share = ((acts * torch.isin(h.proto_idx, ids)).sum(1) / acts.sum(1).clamp_min(1e-12)).view(B, T)
+        c = F.pad(share.double().cumsum(1), (1, 0))  # (B, T + 1): c[:, t] = sum of the first t shares
+        t = torch.arange(T, device=z.device)
+        lo = (t + 1 - window).clamp_min(0)
+        mean = (c[:, t + 1] - c[:, lo]) / (t + 1 - lo).double()
+        return mean >= gate - 1e-12
+
+    @torch.no_grad()
     def steered_hidden(self, z: torch.Tensor, suppress: torch.Tensor, alpha: torch.Tensor | float = 0.0,
-                    project: bool = False, reroute: bool = False) -> torch.Tensor:
+                    project: bool = False, reroute: bool = False, where: torch.Tensor | None = None) -> torch.Tensor:
         """z (B, T, d) with the listed prototypes' part of its reconstruction scaled by ``alpha`` (and with
         ``project``, the residual's part in their span); with ``reroute``, the reconstruction chosen again
-        without them (``alpha`` must be 0)."""
+        without them (``alpha`` must be 0). ``where`` (B, T) bool: only those positions change (the gate
+        of :meth:`suppression_gate`)."""
+        out = self._steered(z, suppress, alpha, project, reroute)
+        if where is None:
+            return out
+        return torch.where(where.to(z.device).reshape(*z.shape[:-1], 1), out, z)
+
+    def _steered(self, z: torch.Tensor, suppress: torch.Tensor, alpha: torch.Tensor | float,
+                 project: bool, reroute: bool) -> torch.Tensor:
         assert self.head is not None
         flat = z.reshape(-1, z.shape[-1])  # (N, d)
         h = self.head(flat)
@@ -455,16 +497,19 @@ class PRISM(nn.Module):
         alpha: torch.Tensor | float = 0.0,
         project: bool = False,
         reroute: bool = False,
+        gate: float | None = None,
+        gate_window: int = 16,
     ) -> torch.Tensor:
         """Greedy (temperature 0) or sampled continuation of idx (1, T); returns (1, T + n).
 
         ``sample_top_k``: sample from the most likely tokens only; ``suppress``, ``alpha``: prototype ids
-        whose activations are scaled by alpha (0: they contribute nothing to the logits; see :meth:`forward`).
+        whose activations are scaled by alpha (0: they contribute nothing to the logits; see :meth:`forward`);
+        ``gate``, ``gate_window``: only where the context carries them (:meth:`suppression_gate`).
         """
         for _ in range(max_new_tokens):
             ctx = idx[:, -self.cfg.block_size :]
-            logits = self(ctx, last_only=True, suppress=suppress, alpha=alpha,
-                          project=project, reroute=reroute).logits[:, -1, :].float()  # (1, V)
+            logits = self(ctx, last_only=True, suppress=suppress, alpha=alpha, project=project, reroute=reroute,
+                          gate=gate, gate_window=gate_window).logits[:, -1, :].float()  # (1, V)
             if temperature <= 0:
                 nxt = logits.argmax(-1, keepdim=True)
             else:
