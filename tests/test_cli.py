@@ -55,6 +55,11 @@ def test_train_then_generate(tmp_path, tiny_corpus, tiny_tokenizer, capsys):
     assert main([*run, "--suppress", *map(str, range(16)), "--compare"]) == 0
     both = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert both["default_completion"] == gen["completion"]
+    # gated: every prototype holds all of each position's mass, so any gate opens everywhere
+    assert main([*run, "--suppress", *map(str, range(16)), "--gate", "0.5", "--gate-window", "4"]) == 0
+    assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["completion"] == both["completion"]
+    assert main([*run, "--gate", "0.5"]) == 2 and "--gate" in capsys.readouterr().err
+    assert main([*run, "--suppress", "1", "--gate", "2"]) == 2 and "--gate" in capsys.readouterr().err
     assert main([*run, "--suppress", "16"]) == 2 and "[0, 16)" in capsys.readouterr().err
     assert main([*run, "--suppress", "1", "--steer", "1=0.5"]) == 2 and "prototype 1" in capsys.readouterr().err
     with pytest.raises(SystemExit):

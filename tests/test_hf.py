@@ -225,6 +225,17 @@ def test_suppression_through_the_hf_model_equals_ours(hf, tiny):
         per = m(x).logits
     want = model(x, suppress=torch.tensor(sup[:2]), alpha=torch.tensor([1.5, 0.5])).logits
     assert torch.allclose(per, want, atol=1e-6) and m.prototype_alphas == {}
+    # gated (conditional steering): the same gate as ours, in forward and in generation
+    with torch.no_grad(), m.suppress(sup, gate=0.1, gate_window=4):
+        gated = m(x).logits
+        got = m.generate(x, max_new_tokens=10)
+    assert torch.allclose(gated, model(x, suppress=torch.tensor(sup), gate=0.1, gate_window=4).logits, atol=1e-6)
+    assert got[0, 20:].tolist() == generate(model, tok, ids, 10, suppress=sup, gate=0.1, gate_window=4).token_ids
+    with torch.no_grad():
+        assert torch.allclose(m(x).logits, plain)  # the gate leaves with its block
+    with pytest.raises(ValueError, match="gate"):
+        with m.suppress(sup, gate=1.5):
+            pass
 
 
 # ---------------------------------------------------------------------------------------------- export

@@ -117,9 +117,10 @@ def cmd_train(args: argparse.Namespace) -> int:
 
 def generate_texts(checkpoint: str, prompts: list[str], max_new_tokens: int, temperature: float,
                    sample_top_k: int | None, seed: int, scales: list[dict[int, float] | None] | None = None,
-                   ) -> list[str]:
+                   gate: float | None = None, gate_window: int = 16) -> list[str]:
     """Each prompt's continuation, once per entry of ``scales`` (prompt-major; default: the model as it
-    is). A scale maps prototype id -> the factor its activations get (0 removes it)."""
+    is). A scale maps prototype id -> the factor its activations get (0 removes it); ``gate``: only where
+    the context carries them (:meth:`PRISM.suppression_gate`)."""
     import torch
 
     from prism_tda.errors import QueryError
@@ -135,8 +136,13 @@ def generate_texts(checkpoint: str, prompts: list[str], max_new_tokens: int, tem
             model.prototype_scale(torch.tensor(sorted(scale)), torch.tensor([scale[i] for i in sorted(scale)]))
         except ValueError as e:
             raise QueryError(f"--suppress/--steer: {e}") from None
+    if gate is not None and not (0.0 <= gate <= 1.0):
+        raise QueryError(f"--gate: a share of the activation mass in [0, 1], got {gate}")
+    if gate_window < 1:
+        raise QueryError(f"--gate-window: at least 1 position, got {gate_window}")
     return [generate(model, tok, tok.encode(prompt).ids, max_new_tokens, temperature=temperature,
-                     sample_top_k=sample_top_k, seed=seed, suppress=scale).text
+                     sample_top_k=sample_top_k, seed=seed, suppress=scale, gate=gate if scale else None,
+                     gate_window=gate_window).text
             for prompt in prompts for scale in scales]
 
 
@@ -174,9 +180,13 @@ def steering_of(args: argparse.Namespace) -> dict[int, float]:
 
 def cmd_generate(args: argparse.Namespace) -> int:
     scale = steering_of(args)
+    if args.gate is not None and not scale:
+        from prism_tda.errors import QueryError
+
+        raise QueryError("--gate: needs prototypes to scale (--suppress, --steer or --controller)")
     both = bool(args.compare and scale)
     texts = generate_texts(args.checkpoint, args.prompt, args.max_new_tokens, args.temperature, args.sample_top_k,
-                           args.seed, [scale, None] if both else [scale or None])
+                           args.seed, [scale, None] if both else [scale or None], args.gate, args.gate_window)
     for i, prompt in enumerate(args.prompt):
         if not both:
             text = texts[i]
@@ -295,6 +305,10 @@ def register(sub: Any) -> None:
     g.add_argument("--steer", type=steer_term, action="append", metavar="IDS=ALPHA",
                    help="more prototypes at their own strength, e.g. 3,17,42=0.5 (repeatable)")
     g.add_argument("--controller", help="a controller file of `prism control fit`: its strength per prototype")
+    g.add_argument("--gate", type=float, default=None, metavar="SHARE",
+                   help="conditional steering: scale the prototypes above only where their share of the "
+                        "activation mass, averaged over the last --gate-window positions, is at least SHARE (0-1)")
+    g.add_argument("--gate-window", type=int, default=16, help="positions the --gate share is averaged over")
     g.add_argument("--compare", action="store_true", help="with --suppress/--steer/--controller: also the model's "
                                                           "own output")
     g.add_argument("--json", action="store_true", help="one JSON object per prompt")

@@ -14,7 +14,8 @@ The wrapper holds no tensors of its own: PRISM's sub-modules (``wte``, ``wpe``, 
 - **Prototypes.** ``output_prototypes=True`` returns each position's active prototype ids and
   activations; :meth:`PrismForCausalLM.suppress` (a context manager) or ``suppress_prototypes=[...]``
   zero prototypes' contributions to the logits, exactly as ``PRISM.forward(suppress=...)``;
-  ``suppress(ids, alpha=a)`` scales them by ``a`` instead (0 removes, 1 leaves, above 1 boosts).
+  ``suppress(ids, alpha=a)`` scales them by ``a`` instead (0 removes, 1 leaves, above 1 boosts), and
+  ``suppress(ids, gate=g)`` only where the context carries them (``PRISM.suppression_gate``).
 
 This module imports only torch, transformers and the PRISM module: an export ships a standalone
 copy of it (``prism_tda/hf/standalone.py``) as ``modeling_prism.py``.
@@ -81,6 +82,7 @@ class PrismForCausalLM(PreTrainedModel, GenerationMixin):
             self.add_module(name, module)
         self.__dict__["prism"] = prism  # not a sub-module: its modules are registered above
         self._alphas: dict[int, float] = {}  # prototype id -> its activations' factor, inside suppress()
+        self._gate: tuple[float, int] | None = None  # (share, window) of the innermost gated block
         self.post_init()
 
     @classmethod
@@ -117,39 +119,55 @@ class PrismForCausalLM(PreTrainedModel, GenerationMixin):
         return dict(sorted(self._alphas.items()))
 
     @contextmanager
-    def suppress(self, prototype_ids: Iterable[int], alpha: float = 0.0) -> Iterator[PrismForCausalLM]:
+    def suppress(self, prototype_ids: Iterable[int], alpha: float = 0.0, *, gate: float | None = None,
+                 gate_window: int = 16) -> Iterator[PrismForCausalLM]:
         """Inside the block, every forward (and so ``generate`` or a hand-written loop) scales these
         prototypes' activations by ``alpha`` before mixing: ``l_t = W z_t + sum_{i in K_t & S} (alpha - 1)
         a_{t,i} W p_i``. ``alpha`` 0 (the default) gives them no part in the logits, 1 leaves the model as it
-        is, above 1 boosts them. Nested blocks multiply. The state is the model's: do not share one model
-        between threads while suppressing."""
+        is, above 1 boosts them. Nested blocks multiply. ``gate`` (conditional steering): every scaled
+        prototype is scaled only where their share of the activation mass, averaged over the last
+        ``gate_window`` positions, is at least ``gate`` (``PRISM.suppression_gate``); the innermost gated
+        block's gate holds. The state is the model's: do not share one model between threads while
+        suppressing."""
         ids = self._check_prototypes(prototype_ids)
         alpha = float(alpha)
         if not (alpha >= 0.0 and alpha < float("inf")):
             raise ValueError(f"alpha: must be finite and >= 0, got {alpha}")
-        before = dict(self._alphas)
+        before, gate_before = dict(self._alphas), self._gate
         for i in set(ids):
             self._alphas[i] = self._alphas.get(i, 1.0) * alpha
+        self._set_gate(gate, gate_window)
         try:
             yield self
         finally:
-            self._alphas = before
+            self._alphas, self._gate = before, gate_before
+
+    def _set_gate(self, gate: float | None, window: int) -> None:
+        if gate is None:
+            return
+        if not (0.0 <= float(gate) <= 1.0):
+            raise ValueError(f"gate: a share of the activation mass in [0, 1], got {gate}")
+        if int(window) < 1:
+            raise ValueError(f"gate_window: at least 1 position, got {window}")
+        self._gate = (float(gate), int(window))
 
     @contextmanager
-    def steer(self, prototype_alphas: dict[int, float]) -> Iterator[PrismForCausalLM]:
+    def steer(self, prototype_alphas: dict[int, float], *, gate: float | None = None,
+              gate_window: int = 16) -> Iterator[PrismForCausalLM]:
         """Like :meth:`suppress`, with a strength per prototype: ``{id: alpha}``, e.g. a controller's (the
-        ``alpha`` of a ``prism control fit`` file, keys as ints). Nested blocks multiply."""
+        ``alpha`` of a ``prism control fit`` file, keys as ints). Nested blocks multiply; ``gate`` as there."""
         ids = self._check_prototypes(list(prototype_alphas))
         alphas = {i: float(prototype_alphas[i]) for i in ids}
         if any(not (a >= 0.0 and a < float("inf")) for a in alphas.values()):
             raise ValueError("alpha: must be finite and >= 0")
-        before = dict(self._alphas)
+        before, gate_before = dict(self._alphas), self._gate
         for i, a in alphas.items():
             self._alphas[i] = self._alphas.get(i, 1.0) * a
+        self._set_gate(gate, gate_window)
         try:
             yield self
         finally:
-            self._alphas = before
+            self._alphas, self._gate = before, gate_before
 
     def _check_prototypes(self, prototype_ids: Iterable[int] | torch.Tensor) -> list[int]:
         if self.prism.head is None:
@@ -216,7 +234,9 @@ class PrismForCausalLM(PreTrainedModel, GenerationMixin):
         last_only = logits_to_keep == 1 and targets is None and not want_protos
         out = self.prism(input_ids, targets, last_only=last_only, return_head=want_protos and suppress is None,
                          suppress=suppress[0] if suppress is not None else None,
-                         alpha=suppress[1] if suppress is not None else 0.0)
+                         alpha=suppress[1] if suppress is not None else 0.0,
+                         gate=self._gate[0] if self._gate is not None else None,
+                         gate_window=self._gate[1] if self._gate is not None else 16)
         logits = out.logits
         assert logits is not None and out.z is not None
         if logits_to_keep and not last_only:

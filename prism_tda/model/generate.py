@@ -20,10 +20,13 @@ class Generation:
 
 def generate(model: PRISM, tokenizer: Tokenizer, prompt_ids: list[int], max_new_tokens: int, *,
              temperature: float = 0.0, sample_top_k: int | None = None, seed: int = 0,
-             suppress: list[int] | dict[int, float] | None = None, alpha: float = 0.0) -> Generation:
+             suppress: list[int] | dict[int, float] | None = None, alpha: float = 0.0,
+             gate: float | None = None, gate_window: int = 16) -> Generation:
     """Continue ``prompt_ids`` (the model sees their last ``block_size``): greedy at temperature 0,
     else sampled (seeded). ``suppress``: prototypes whose activations are scaled by ``alpha`` (0: they
-    contribute nothing to the logits), or a mapping of prototype id to its own alpha."""
+    contribute nothing to the logits), or a mapping of prototype id to its own alpha. ``gate``: scale them only
+    where the context carries them, their share of the activation mass over the last ``gate_window``
+    positions at least ``gate`` (:meth:`PRISM.suppression_gate`); None: everywhere."""
     eos = eos_id(tokenizer)
     x = torch.tensor([prompt_ids[-model.cfg.block_size:] or [eos]])
     scale = suppress if isinstance(suppress, dict) else dict.fromkeys(suppress or (), float(alpha))
@@ -32,6 +35,7 @@ def generate(model: PRISM, tokenizer: Tokenizer, prompt_ids: list[int], max_new_
     alphas = torch.tensor([scale[i] for i in sorted(scale)], dtype=torch.float32) if scale else 0.0
     temperature = temperature if temperature >= 1e-3 else 0.0  # 1/temperature must stay finite
     y = model.generate(x, max_new_tokens, temperature=temperature, sample_top_k=sample_top_k,
-                       generator=torch.Generator().manual_seed(seed), stop_token=eos, suppress=sup, alpha=alphas)
+                       generator=torch.Generator().manual_seed(seed), stop_token=eos, suppress=sup, alpha=alphas,
+                       gate=gate, gate_window=gate_window)
     new = y[0, x.shape[1]:].tolist()
     return Generation(new, tokenizer.decode([i for i in new if i != eos]), bool(new and new[-1] == eos))

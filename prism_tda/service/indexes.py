@@ -106,12 +106,14 @@ class LoadedIndex:
                 "to run it in the background, or use mode 'fast'")
 
     def generate(self, prompt: str, *, max_new_tokens: int, temperature: float, sample_top_k: int | None,
-                 seed: int, scale: dict[int, float]) -> tuple[Generation, int]:
+                 seed: int, scale: dict[int, float], gate: float | None = None,
+                 gate_window: int = 16) -> tuple[Generation, int]:
         """A continuation of ``prompt`` and the prompt's length in tokens; ``scale``: prototype id -> the
-        factor its activations are multiplied by."""
+        factor its activations are multiplied by (with ``gate``, only where the context carries them)."""
         tokens = self.attributor.encoder.check(QuerySpec(prompt))
         gen = generate(self.attributor.model, self.attributor.tokenizer, tokens.prompt, max_new_tokens,
-                       temperature=temperature, sample_top_k=sample_top_k, seed=seed, suppress=scale)
+                       temperature=temperature, sample_top_k=sample_top_k, seed=seed, suppress=scale, gate=gate,
+                       gate_window=gate_window)
         return gen, len(tokens.prompt)
 
     def discover(self, **kw: Any) -> dict[str, Any]:

@@ -87,6 +87,12 @@ class GenerateRequest(Strict):
         None, description="A strength per prototype id, e.g. a controller of `prism control fit` (its file's "
                           "`alpha`). Applied after `suppress` and `steer`, with the same rule for a prototype "
                           "given twice.")
+    gate: JFloat | None = Field(None, ge=0.0, le=1.0, description="Conditional steering: scale the prototypes "
+                                "above only at positions where their joint share of the activation mass, averaged "
+                                "over the last `gate_window` positions, is at least this (elsewhere the model is "
+                                "left as it is). Null (the default): everywhere.")
+    gate_window: JInt = Field(16, ge=1, le=4096, description="Positions the `gate` share is averaged over (the "
+                              "position itself and the ones before it).")
 
 
 class SteerApplied(BaseModel):
@@ -105,6 +111,8 @@ class GenerateResponse(BaseModel):
     suppress_set: str | None
     alpha: float = Field(description="The strength the `suppress` prototypes had.")
     steered: list[SteerApplied] = Field(description="Every term applied: `suppress` first, then `steer`'s.")
+    gate: float | None = Field(None, description="The `gate` the terms were applied under (null: everywhere).")
+    gate_window: int | None = Field(None, description="Its window, when `gate` is set.")
 
 
 # ---------------------------------------------------------------------------- audits

@@ -124,3 +124,42 @@ def test_rerouting_chooses_each_token_s_active_set_again_without_the_listed_prot
         model.head(z, exclude=torch.tensor([32]))
     with pytest.raises(ValueError, match="must stay"):
         model(x[None], suppress=torch.arange(32 - model.head.k + 1), reroute=True)
+
+
+def test_gated_suppression_acts_where_the_set_held_its_share_over_the_window_and_nowhere_else():
+    """Conditional steering: the gate at t is the listed prototypes' share of the activation mass averaged
+    over the last ``window`` positions (checked against a loop over positions); where it is open the logits
+    are the suppressed model's, elsewhere the model's own, exactly; the gate is causal, the last position
+    of a shorter context gets the same logits as in the full pass, and generation takes it."""
+    torch.manual_seed(0)
+    model = PRISM(tiny_model_cfg()).eval()
+    x = torch.randint(0, 400, (2, 30))
+    with torch.no_grad():
+        z = model.hidden(x)
+        h = model.head(z.reshape(-1, z.shape[-1]))
+        counts = torch.bincount(h.proto_idx.reshape(-1), minlength=32)
+        ids = counts.topk(3).indices
+        acts = h.acts.view(2, 30, -1)
+        share = (acts * torch.isin(h.proto_idx.view(2, 30, -1), ids)).sum(-1) / acts.sum(-1)
+        window = 5
+        want_mean = torch.stack([share[:, max(0, t - window + 1) : t + 1].mean(1) for t in range(30)], 1)
+        g = float(want_mean.median())  # about half the positions open
+        want = want_mean >= g
+        got = model.suppression_gate(z, ids, g, window)
+        assert torch.equal(got, want) and want.any() and (~want).any()
+        full, base = model(x, suppress=ids).logits, model(x).logits
+        gated = model(x, suppress=ids, gate=g, gate_window=window).logits
+        assert torch.allclose(gated[want], full[want], atol=1e-5)
+        assert torch.equal(gated[~want], base[~want])
+        assert torch.allclose(model(x, suppress=ids, gate=0.0).logits, full)  # gate 0: everywhere
+        x2 = x.clone()
+        x2[:, 20:] = 7  # later tokens never open or close an earlier gate
+        assert torch.equal(model.suppression_gate(model.hidden(x2), ids, g, window)[:, :20], got[:, :20])
+        for T in (1, 4, 13, 30):
+            last = model(x[:, :T], suppress=ids, gate=g, gate_window=window, last_only=True).logits[:, -1]
+            assert torch.allclose(last, gated[:, T - 1], atol=1e-5)
+        out = model.generate(x[:1, :6], 4, suppress=ids, gate=g, gate_window=window)
+        assert out.shape == (1, 10)
+    for bad, msg in ((dict(gate=1.5), "gate"), (dict(gate=float("nan")), "gate"), (dict(gate=0.1, gate_window=0), "gate_window")):
+        with pytest.raises(ValueError, match=msg):
+            model(x, suppress=ids, **bad)

@@ -150,6 +150,18 @@ def test_prototype_sets_and_generation_with_suppression(client):
                    mentions="alpha")
     assert_problem(client.post(url, json={**body, "steer": [{"prototypes": "nope", "alpha": 1}]}), 404,
                    "prototype-set-not-found", mentions="nope")
+    # conditional steering: the whole bank holds every position's mass, so any gate opens everywhere; two
+    # prototypes of the k active never hold all of it, so a gate of 1 never opens
+    gated = client.post(url, json={**body, "suppress": "everything", "gate": 0.5}).json()
+    assert gated["token_ids"] == sup["token_ids"] and (gated["gate"], gated["gate_window"]) == (0.5, 16)
+    shut = client.post(url, json={**body, "suppress": [1, 2], "gate": 1.0, "gate_window": 4}).json()
+    assert shut["token_ids"] == base["token_ids"] and shut["gate_window"] == 4
+    assert base["gate"] is None and sup["gate"] is None
+    assert_problem(client.post(url, json={**body, "gate": 0.2}), 422, "invalid-query", mentions="gate")
+    assert_problem(client.post(url, json={**body, "suppress": [1], "gate": 1.5}), 422, "validation-error",
+                   mentions="gate")
+    assert_problem(client.post(url, json={**body, "suppress": [1], "gate": 0.1, "gate_window": 0}), 422,
+                   "validation-error", mentions="gate_window")
     assert_problem(client.put("/v1/prototype-sets/bad", json={"prototypes": [99]}), 422, "invalid-prototype")
     assert_problem(client.put("/v1/prototype-sets/bad name", json={"prototypes": [1]}), 422, "validation-error")
     assert client.delete("/v1/prototype-sets/everything").status_code == 204

@@ -300,6 +300,13 @@ def test_steer_discover_save_and_compare(page, web_live):
     half = page.locator(".gen.suppressed .gen-text").inner_text()
     api = httpx.post(web_live.url + "/v1/generate", json={**body, "alpha": 0.5}, timeout=60).json()
     assert half == PROMPT + api["completion"] and api["steered"][0]["alpha"] == 0.5
+    # only where the context carries the set: the page sends the gate and says so
+    page.fill("#steer-gate", "0.3")
+    page.get_by_role("button", name="Generate with and without").click()
+    page.locator(".gen.suppressed h2", has_text="where they hold 30% of the last 16 tokens").wait_for()
+    gated = page.locator(".gen.suppressed .gen-text").inner_text()
+    api = httpx.post(web_live.url + "/v1/generate", json={**body, "alpha": 0.5, "gate": 0.3}, timeout=60).json()
+    assert gated == PROMPT + api["completion"] and api["gate"] == 0.3
 
 
 def test_prototypes_are_searchable_by_label(page, web_live):

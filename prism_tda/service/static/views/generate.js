@@ -1,7 +1,7 @@
 // Generate with suppression or graded strength: the same prompt with and without prototypes, side by side.
 
 import { api } from "../api.js";
-import { alphaSlider, clear, field, h, hashLink, num, parseIds } from "../dom.js";
+import { alphaSlider, clear, field, h, hashLink, num, parseIds, pct } from "../dom.js";
 import { busy, errorBox, protoLink } from "../ui.js";
 
 let lastPrompt = "";
@@ -101,7 +101,8 @@ export function showCompare(out, prompt, plain, supp) {
   const terms = supp.steered || [];
   const n = new Set(terms.flatMap((t) => t.prototypes)).size;
   const allZero = terms.every((t) => t.alpha === 0);
-  const what = allZero ? `${n} prototypes suppressed` : `${n} prototypes scaled`;
+  const where = supp.gate == null ? "" : ` where they hold ${pct(supp.gate, 0)} of the last ${supp.gate_window} tokens`;
+  const what = (allZero ? `${n} prototypes suppressed` : `${n} prototypes scaled`) + where;
   clear(out,
     h("p", { class: identical ? "verdict same" : "verdict differs", role: "status", id: "verdict" },
       identical ? `Identical: ${allZero ? "suppressing" : "scaling"} these prototypes does not change this output.`

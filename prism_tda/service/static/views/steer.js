@@ -121,6 +121,7 @@ function showFound(out, res) {
   const temp = h("input", { id: "steer-temp", type: "number", min: 0, max: 10, step: 0.1, value: 1 });
   const seed = h("input", { id: "steer-seed", type: "number", min: 0, value: 0 });
   const strength = alphaSlider("steer-alpha", 0, 2);
+  const gate = h("input", { id: "steer-gate", type: "number", min: 0, max: 1, step: 0.05, placeholder: "everywhere" });
   const compare = h("button", { type: "submit", disabled: true }, "Generate with and without");
   const genStatus = h("p", { class: "status", role: "status" });
   const genOut = h("div", { class: "compare-out" });
@@ -129,7 +130,9 @@ function showFound(out, res) {
   const genForm = h("form", { class: "card form", "aria-label": "Compare generations" }, field("Prompt", prompt),
     h("div", { class: "row" }, field("New tokens", nNew), field("Temperature", temp), field("Seed", seed)),
     h("div", { class: "row" }, field("Strength of the set", strength.wrap, "×0 removes it, ×1 leaves the model as it is, " +
-      "above 1 boosts it."), compare, genStatus));
+      "above 1 boosts it."), field("Only where the context carries it", gate, "A share of the activation mass " +
+      "(0-1) the set must hold over the last 16 tokens for the strength to apply; empty: everywhere. Leaves " +
+      "other text as the model writes it."), compare, genStatus));
   clear(out,
     h("p", { class: "muted", id: "steer-summary" }, `Topic: ${res.topic.tokens} tokens of ${res.topic.documents} ` +
       `${res.topic.source}; against ${res.contrast.source} (${res.contrast.tokens} tokens).`),
@@ -160,7 +163,8 @@ function showFound(out, res) {
     await busy(compare, genStatus, "Generating…", async () => {
       try {
         const [plain, supp] = await Promise.all([api("POST", "/v1/generate", { body: base }),
-          api("POST", "/v1/generate", { body: { ...base, suppress: name.value, alpha: Number(strength.input.value) } })]);
+          api("POST", "/v1/generate", { body: { ...base, suppress: name.value, alpha: Number(strength.input.value),
+            ...(gate.value === "" ? {} : { gate: Number(gate.value) }) } })]);
         showCompare(genOut, base.prompt, plain, supp);
       } catch (err) {
         clear(genOut, errorBox(err));
