@@ -94,7 +94,9 @@ over prompts.
    whose tuning contrast perplexity stays within ``GATE_TUNE_PPL``. Each gated set is evaluated by every judge on the
    neutral prompts, the larger draw and the invited prompts; step 6's set with its random control gated the same
    way. **Primary row, fixed before the first run: step 6's set gated, neutral prompts, the larger draw, the drop
-   under the strict and the window judge, and its perplexity ratio.**
+   under the strict and the window judge, and its perplexity ratio.** A fourth set, ``both_judges_effect_only``:
+   step 13's rule (generations either judge calls on the topic) with no perplexity bound, since the gate bounds
+   the cost, gated and evaluated the same way with its own random control; its row is the same as the primary's.
 
     python -m bench.steering --index runs/demo_idle/index
 
@@ -875,14 +877,24 @@ def main(argv: list[str] | None = None) -> dict:
             return round(n_open / max(n, 1), 4)
 
         sets_g = {"step6_selected": (selected, tune_gens, tune_on), "window_selected": (sel_w, tune_gens, tune_on_w)}
+        controls = {"step6_selected": sel_ctrl_ids}
         if window.get("both_judges", {}).get("prototypes"):
             sets_g["both_judges_selected"] = (window["both_judges"]["prototypes"], gens_b, on_b)
+            # the gate bounds the cost, so the selection need not: step 13's rule by effect alone
+            steps_u = select_by_effect(model, eff_b, ranked[:50], budget=budget, max_ppl_ratio=float("inf"),
+                                       progress=True)
+            sel_u = [st.proto_id for st in steps_u]
+            if sel_u:
+                sets_g["both_judges_effect_only"] = (sel_u, gens_b, on_b)
+                controls["both_judges_effect_only"] = sorted(
+                    np.random.default_rng(args.seed + 14).choice(pool, len(sel_u), replace=False).tolist())
         gated = {"rule": (f"each set scaled (alpha 0) only where its share of the activation mass, averaged over the last "
                           f"{GATE_WINDOW} positions, is at least a threshold; the threshold of {GATE_GRID} with the "
                           f"largest effect on the tuning generations that selected the set whose tuning contrast "
                           f"perplexity stays within {GATE_TUNE_PPL}; window, grid and bound fixed before the first run; "
                           "primary row: step 6's set gated, neutral prompts, the larger draw, the drop under the strict "
-                          "and the window judge, and its perplexity ratio"),
+                          "and the window judge, and its perplexity ratio; second, both_judges_effect_only: step 13's "
+                          "rule with no perplexity bound (the gate bounds the cost), gated, the same row"),
                  "window": GATE_WINDOW}
         for name, (ids_, gens, on) in sets_g.items():
             tg = tune_gate(ids_, gens, on)
@@ -890,8 +902,8 @@ def main(argv: list[str] | None = None) -> dict:
             g = tg["gate"]
             if g is not None:
                 arms = {"set": ids_}
-                if name == "step6_selected":
-                    arms["control_random"] = sel_ctrl_ids
+                if name in controls:
+                    arms["control_random"] = controls[name]
                 for arm, a_ids in arms.items():
                     mg = measure(a_ids, gate=g)
                     gens_big = sample(model, prompt_ids, args.strict_samples, args.new_tokens, a_ids, args.seed + 104_729,
@@ -914,8 +926,8 @@ def main(argv: list[str] | None = None) -> dict:
                             "window_judge": rate_row(w_on(te), we["base"], n_e, n_s)}
                     entry[arm] = r
                     print("gated", name, arm, g, r["other_ppl_ratio"], r["larger_draw"], flush=True)
-                if name == "step6_selected":
-                    entry["control_prototypes"] = sel_ctrl_ids
+                if name in controls:
+                    entry["control_prototypes"] = controls[name]
             gated[name] = entry
         gated["seconds"] = round(time.perf_counter() - t_g, 1)
     print("strict judge", {k: v for k, v in strict.items() if k != "rule"}, flush=True)
