@@ -215,6 +215,17 @@ TARGETS: list[Target] = [
            "window_judge.both_judges.larger_draw.window_judge.topic_rate_drop_ci"),
     Target(27, "`other_ppl_ratio`, the same set", "steering.json", "window_judge.both_judges.other_ppl_ratio", "<=",
            1.02, "window_judge.both_judges.other_ppl_ratio_ci"),
+    Target(27, "`topic_rate_drop`, step 6's set suppressed only where the context carries it (gate 0.1 over 16 "
+               "tokens, chosen on the tuning split), neutral prompts, 5,000 generations, strict (word) judge",
+           "steering.json", "gated.step6_selected.set.larger_draw.strict_judge.topic_rate_drop", ">=", 0.75,
+           "gated.step6_selected.set.larger_draw.strict_judge.topic_rate_drop_ci",
+           "suppressed everywhere: 0.709; its random control gated the same way: 0.0 (the gate never opens)"),
+    Target(27, "`topic_rate_drop`, the same gated set and generations, window judge", "steering.json",
+           "gated.step6_selected.set.larger_draw.window_judge.topic_rate_drop", ">=", 0.75,
+           "gated.step6_selected.set.larger_draw.window_judge.topic_rate_drop_ci"),
+    Target(27, "`other_ppl_ratio`, the same gated set (suppressed everywhere: 1.027; graded to alpha 0.5 instead: "
+               "1.006)", "steering.json", "gated.step6_selected.set.other_ppl_ratio", "<=", 1.02,
+           "gated.step6_selected.set.other_ppl_ratio_ci"),
     Target(27, "`controller_gain_points` (multiple choice, held out)", "control.json", "controller_gain_points", None,
            None, "controller_gain_points_ci"),
     Target(27, "random-direction controller of the same size, gain in points", "control.json", "random_gain_points",
