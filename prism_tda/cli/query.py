@@ -194,6 +194,9 @@ def cmd_discover(args: argparse.Namespace) -> int:
         for st in sel["steps"]:
             print(f"  + {st['proto_id']:>5}  effect {st['effect']:.4f} nats/token  (topic +{st['topic_loss_increase']:.4f},"
                   f" contrast +{st['contrast_loss_increase']:.4f}; contrast perplexity x{st['contrast_ppl_ratio']:.4f})")
+        for c in sel.get("cost_by_text", []):
+            where = f"document {c['doc_id']}" if c["doc_id"] is not None else f"contrast text {c['text_index'] + 1}"
+            print(f"  cost {c['share']:.0%} on {where} ({c['tokens']} tokens): {c['snippet']!r}")
     ids = ",".join(str(i) for i in chosen)
     print(f"\nsave as a set: curl -X PUT .../v1/prototype-sets/NAME -d '{{\"prototypes\": [{ids}]}}'")
     return 0

@@ -118,6 +118,7 @@ def effect_selection(att: Attributor, topic_ids: list[list[int]] | None, topic_d
         side = doc_ids_tokens(tdocs)
     if contrast and contrast.get("texts") is not None:
         other, source = capped([tok.encode(t).ids for t in contrast["texts"]]), "texts"
+        contrast_docs: np.ndarray | None = None
     else:
         if contrast and contrast.get("doc_ids") is not None:
             pool, source = np.asarray(contrast["doc_ids"], np.int64), "documents"
@@ -130,16 +131,25 @@ def effect_selection(att: Attributor, topic_ids: list[list[int]] | None, topic_d
             pool = np.random.default_rng(0).permutation(pool)[:EFFECT_CONTRAST_DOCS]
             source = f"{len(pool)} documents sampled from the rest of the corpus"
         other = doc_ids_tokens(pool)
+        contrast_docs = pool[: len(other)]  # ``capped`` keeps a prefix
     texts = EffectTexts.of(att.model, (side, [], other), stop=stop,
                            on_progress=None if progress is None else functools.partial(progress, "model"))
     steps = select_by_effect(att.model, texts, candidates, budget=budget, max_ppl_ratio=max_ppl_ratio, stop=stop,
                              on_progress=None if progress is None else functools.partial(progress, "selection"))
+    cost = []
+    for c in texts.cost_by_text(att.model, [st.proto_id for st in steps]):
+        j = int(c["text"])
+        ids = other[j]
+        cost.append({"doc_id": int(contrast_docs[j]) if contrast_docs is not None else None,
+                     "text_index": None if contrast_docs is not None else j, "tokens": c["tokens"],
+                     "extra_nats": c["extra_nats"], "share": c["share"], "snippet": tok.decode(ids[:24])})
     return {"rule": "effect", "budget": budget, "max_ppl_ratio": max_ppl_ratio, "contrast": source,
             "topic_tokens": int((texts.group == 0).sum()), "contrast_tokens": int((texts.group == 2).sum()),
             "candidates": len(candidates), "seconds": round(time.perf_counter() - t0, 3),
             "prototypes": [st.proto_id for st in steps],
             "steps": [{"proto_id": st.proto_id, "effect": st.effect, "topic_loss_increase": st.topic_loss_increase,
                        "contrast_loss_increase": st.other_loss_increase, "contrast_ppl_ratio": st.contrast_ppl_ratio}
-                      for st in steps]}
+                      for st in steps],
+            "cost_by_text": cost}
 
 

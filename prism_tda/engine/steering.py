@@ -316,6 +316,7 @@ class EffectTexts:
     group: torch.Tensor  # (N,) 0, 1 or 2
     proto_idx: torch.Tensor  # (N, k) the active prototypes
     acts: torch.Tensor  # (N, k) their activations
+    text: torch.Tensor | None = None  # (N,) the text of its group each row came from (its index there)
 
     @classmethod
     @torch.no_grad()
@@ -325,18 +326,22 @@ class EffectTexts:
         """Token ids per group, each text cut into windows of the model's context. ``stop``: checked before
         each batch (``Cancelled``); ``on_progress(windows done, windows)`` after each."""
         T = model.cfg.block_size
-        zs, ys, gs, ps, acts = [], [], [], [], []
-        per_group = [[w for w in (ids[s : s + T + 1] for ids in texts for s in range(0, max(len(ids) - 1, 1), T))
-                      if len(w) > 1] for texts in groups]
+        zs, ys, gs, ps, acts, ts = [], [], [], [], [], []
+        per_group = [[(w, j) for j, ids in enumerate(texts) for w in (ids[s : s + T + 1]
+                      for s in range(0, max(len(ids) - 1, 1), T)) if len(w) > 1] for texts in groups]
         n_windows, done = sum(map(len, per_group)), 0
         for g, windows in enumerate(per_group):
             for b in range(0, len(windows), batch_size):
                 check_stop(stop, "selection by effect")
-                chunk = windows[b : b + batch_size]
+                chunk = [w for w, _ in windows[b : b + batch_size]]
                 tb = run_batch(model, [w[:-1] for w in chunk], [w[1:] for w in chunk])
                 zs.append(tb.z.float())
                 ys.append(tb.targets)
                 gs.append(torch.full((len(tb.targets),), g, dtype=torch.long))
+                # run_batch's rows are each window's positions in order, window after window
+                ts.append(torch.repeat_interleave(torch.tensor([j for _, j in windows[b : b + batch_size]]),
+                                                  torch.tensor([len(w) - 1 for w in chunk])))
+                assert len(ts[-1]) == len(tb.targets), "a window's positions are not all rows of its batch"
                 ps.append(tb.proto_idx)
                 acts.append(tb.acts.float())
                 done += len(chunk)
@@ -344,7 +349,7 @@ class EffectTexts:
                     on_progress(done, n_windows)
         if not any(len(t) for t in groups[0]):
             raise QueryError("selection by effect needs topic text of at least 2 tokens")
-        return cls(torch.cat(zs), torch.cat(ys), torch.cat(gs), torch.cat(ps), torch.cat(acts))
+        return cls(torch.cat(zs), torch.cat(ys), torch.cat(gs), torch.cat(ps), torch.cat(acts), torch.cat(ts))
 
     @torch.no_grad()
     def nll(self, model: PRISM, ids: list[int], alpha: float = 0.0, chunk: int = 4096, reroute: bool = False
@@ -361,6 +366,38 @@ class EffectTexts:
             total.index_add_(0, self.group[b : b + chunk], loss.double())
         n = torch.bincount(self.group, minlength=3).double()
         return total / n.where(n > 0, torch.tensor(float("nan"), dtype=torch.float64))
+
+
+    @torch.no_grad()
+    def cost_by_text(self, model: PRISM, ids: list[int], group: int = 2, alpha: float = 0.0, top: int = 3,
+                     chunk: int = 4096) -> list[dict[str, float | int]]:
+        """Where scaling prototypes ``ids`` by ``alpha`` costs in ``group`` (the contrast by default): the ``top``
+        texts whose summed next-token loss rises most, each with ``text`` (its index in the group), ``tokens``,
+        ``extra_nats`` and ``share`` of the group's whole rise. A set's perplexity cost often sits on a few texts
+        (``docs/benchmarks.md``, conditional suppression); this names them."""
+        if self.text is None:
+            raise ValueError("cost_by_text: these texts were built without their text index")
+        rows = (self.group == group).nonzero().flatten()
+        if not len(rows) or not ids:
+            return []
+        W = model.W.float()
+        rise = torch.zeros(len(rows), dtype=torch.float64)
+        for b in range(0, len(rows), chunk):
+            r = rows[b : b + chunk]
+            z = self.z[r].float()
+            zs = model.steered_hidden(z[None], torch.tensor(ids), alpha)[0].float()
+            ce = torch.nn.functional.cross_entropy
+            rise[b : b + chunk] = (ce(zs @ W.T, self.y[r], reduction="none")
+                                   - ce(z @ W.T, self.y[r], reduction="none")).double()
+        text = self.text[rows]
+        n_texts = int(text.max()) + 1
+        per = torch.zeros(n_texts, dtype=torch.float64).index_add_(0, text, rise)
+        tokens = torch.bincount(text, minlength=n_texts)
+        total = float(rise.sum())
+        order = torch.argsort(per, descending=True)[:top]
+        return [{"text": int(j), "tokens": int(tokens[j]), "extra_nats": round(float(per[j]), 4),
+                 "share": round(float(per[j]) / total, 4) if total > 0 else 0.0}
+                for j in order.tolist() if float(per[j]) > 0]
 
 
 @dataclass

@@ -342,6 +342,15 @@ class SelectionStep(BaseModel):
     contrast_ppl_ratio: float
 
 
+class SelectionCost(BaseModel):
+    doc_id: int | None = Field(description="The contrast document (contrast given by documents or sampled).")
+    text_index: int | None = Field(description="The contrast text (contrast given by texts).")
+    tokens: int = Field(description="Its tokens the selection scored.")
+    extra_nats: float = Field(description="How much its summed next-token loss rises with the chosen set removed.")
+    share: float = Field(description="Its share of the whole contrast's rise.")
+    snippet: str = Field(description="Its first tokens, as text.")
+
+
 class EffectSelection(BaseModel):
     rule: str
     budget: int
@@ -353,6 +362,9 @@ class EffectSelection(BaseModel):
     seconds: float
     prototypes: list[int] = Field(description="The chosen set, in the order it was chosen.")
     steps: list[SelectionStep]
+    cost_by_text: list[SelectionCost] = Field(description="The (at most 3) contrast texts on which the chosen "
+                                              "set's perplexity cost falls most, largest first: a set's cost often "
+                                              "sits on a few texts, and these say what else it writes.")
 
 
 class DiscoveredContext(BaseModel):

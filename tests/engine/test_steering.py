@@ -181,6 +181,21 @@ def test_selection_by_effect_is_greedy_on_the_measured_losses(tiny_ckpt):
     assert steps[-1].contrast_ppl_ratio == pytest.approx(math.exp(d[2]), abs=1e-6)
     with pytest.raises(QueryError):
         EffectTexts.of(model, ([], [], enc(["Never trust a man."])))
+    # where the set's cost falls: each contrast text's summed loss rise, as a fresh pass of that text alone
+    # measures it; the shares are of the whole contrast's rise, which the set's perplexity ratio gives
+    chosen = [st.proto_id for st in steps]
+    cost = texts.cost_by_text(model, chosen, top=5)
+    contrast = enc(["Never trust a man who laughs.", "Life is what happens to you."])
+    for c in cost:
+        alone = EffectTexts.of(model, ([contrast[c["text"]]], [], []))
+        rise = float(alone.nll(model, chosen)[0] - alone.nll(model, [])[0]) * c["tokens"]
+        assert c["extra_nats"] == pytest.approx(rise, abs=1e-3) and c["tokens"] == len(contrast[c["text"]]) - 1
+    total = float(d[2]) * int((texts.group == 2).sum())  # the mean rise per contrast token, times the tokens
+    assert total > 0 and cost  # the set costs something on this contrast, so the texts are named
+    if total > 0:
+        assert sum(c["share"] for c in cost) == pytest.approx(sum(c["extra_nats"] for c in cost) / total, abs=1e-3)
+    assert [c["extra_nats"] for c in cost] == sorted((c["extra_nats"] for c in cost), reverse=True)
+    assert texts.cost_by_text(model, []) == []
     # re-routed: the same greedy rule, its bookkeeping (each token encoded again without the set) equal to a
     # fresh pass of the model's re-routed removal
     rr = select_by_effect(model, texts, cands, budget=3, max_ppl_ratio=1.05, reroute=True)

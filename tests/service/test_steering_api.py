@@ -4,6 +4,7 @@ searchable labels; and `prism discover`."""
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 
@@ -36,6 +37,11 @@ def test_discover_from_sql_texts_and_ids(client):
     effects = [st["effect"] for st in sel["steps"]]
     assert effects == sorted(effects) and all(st["contrast_ppl_ratio"] <= 1.5 for st in sel["steps"])
     assert "sampled from the rest of the corpus" in sel["contrast"]
+    # the contrast documents the set's cost falls on, named by id, with their share of it
+    assert sel["cost_by_text"] and sel["cost_by_text"][0]["share"] == max(c["share"] for c in sel["cost_by_text"])
+    for c in sel["cost_by_text"]:
+        assert c["doc_id"] is not None and c["text_index"] is None and 0 < c["share"] <= 1 and c["extra_nats"] > 0
+        assert client.get("/v1/documents", params={"ids": str(c["doc_id"])}).json()["documents"][0]["text"].strip()
     # pasted texts, against pasted contrast texts
     texts = [d["text"] for d in client.get("/v1/documents", params={"ids": ",".join(map(str, ids[:20]))}).json()["documents"]]
     r = client.post("/v1/prototypes/discover", json={"topic": {"texts": texts}, "min_docs": 1,
@@ -93,6 +99,7 @@ def test_prism_discover_cli(index):
     assert out.returncode == 0, out.stderr
     steps = [line for line in out.stdout.splitlines() if line.startswith("  + ")]
     assert "selected by effect" in out.stdout and 1 <= len(steps) <= 2
+    assert re.search(r"cost \d+% on document \d+ \(\d+ tokens\)", out.stdout), out.stdout
     saved = out.stdout.split('"prototypes": [')[1].split("]")[0]
     assert saved == ",".join(line.split()[1] for line in steps)
     bad = subprocess.run([sys.executable, "-m", "prism_tda.cli", "discover", "--index", str(index)],

@@ -265,6 +265,9 @@ def test_steer_discover_save_and_compare(page, web_live):
         page.get_by_role("button", name="Discover").click()  # run as a background task, polled for progress
     assert polled.value.json()["status"] in ("queued", "running", "completed")
     page.locator("#steer-selection").wait_for()
+    costs = page.locator("#steer-cost li")  # the contrast documents the set's cost falls on, linked
+    assert costs.count() >= 1 and "% of it on document" in costs.first.inner_text()
+    assert costs.first.locator("a").get_attribute("href").startswith("#/document/")
     chosen = sorted(int(b.get_attribute("value")) for b in page.locator("#steer-found tbody input:checked").all())
     sel = httpx.post(web_live.url + "/v1/prototypes/discover",
                      json={"topic": {"sql": "SELECT doc_id FROM documents WHERE external_id LIKE 'art/%'"}, "top_n": 20,

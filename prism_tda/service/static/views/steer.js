@@ -97,6 +97,14 @@ function selectionText(sel) {
     `${num(last.contrast_ppl_ratio, 3)}; contrast: ${sel.contrast}; ${num(sel.seconds, 1)} s).`;
 }
 
+function costList(costs) {
+  // the contrast texts the set's perplexity cost falls on most: what else the set writes
+  return h("div", { id: "steer-cost" }, h("p", { class: "muted" }, "Where that cost falls on the contrast:"),
+    h("ul", {}, costs.map((c) => h("li", {}, `${pct(c.share, 0)} of it on `,
+      c.doc_id != null ? h("a", { href: `#/document/${c.doc_id}` }, `document ${c.doc_id}`) : `text ${c.text_index + 1}`,
+      ` (${c.tokens} tokens): `, h("span", { class: "ctx" }, `${c.snippet}…`)))));
+}
+
 function context(c) {
   if (!c) return "";
   return h("span", { class: "ctx" }, c.before.slice(-30), h("mark", {}, c.token), c.after.slice(0, 20));
@@ -137,6 +145,7 @@ function showFound(out, res) {
     h("p", { class: "muted", id: "steer-summary" }, `Topic: ${res.topic.tokens} tokens of ${res.topic.documents} ` +
       `${res.topic.source}; against ${res.contrast.source} (${res.contrast.tokens} tokens).`),
     res.selection ? h("p", { id: "steer-selection" }, selectionText(res.selection)) : null,
+    res.selection && (res.selection.cost_by_text || []).length ? costList(res.selection.cost_by_text) : null,
     table(["use", "prototype", "label", "ratio", "share of topic", "tokens", "docs", "strongest topic context"], rows),
     h("div", { class: "card" }, saveForm), genForm, genOut);
 
