@@ -136,10 +136,13 @@ def generate_texts(checkpoint: str, prompts: list[str], max_new_tokens: int, tem
             model.prototype_scale(torch.tensor(sorted(scale)), torch.tensor([scale[i] for i in sorted(scale)]))
         except ValueError as e:
             raise QueryError(f"--suppress/--steer: {e}") from None
-    if gate is not None and not (0.0 <= gate <= 1.0):
-        raise QueryError(f"--gate: a share of the activation mass in [0, 1], got {gate}")
-    if gate_window < 1:
-        raise QueryError(f"--gate-window: at least 1 position, got {gate_window}")
+    if gate is not None:
+        from prism_tda.model.model import check_gate
+
+        try:
+            check_gate(gate, gate_window)
+        except ValueError as e:
+            raise QueryError(f"--gate: {e}") from None
     return [generate(model, tok, tok.encode(prompt).ids, max_new_tokens, temperature=temperature,
                      sample_top_k=sample_top_k, seed=seed, suppress=scale, gate=gate if scale else None,
                      gate_window=gate_window).text

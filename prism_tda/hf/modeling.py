@@ -34,7 +34,7 @@ import torch
 from transformers import GenerationMixin, PreTrainedModel
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
-from prism_tda.model.model import PRISM
+from prism_tda.model.model import PRISM, check_gate
 
 from .configuration import PrismConfig
 from .convert import model_config
@@ -145,10 +145,7 @@ class PrismForCausalLM(PreTrainedModel, GenerationMixin):
     def _set_gate(self, gate: float | None, window: int) -> None:
         if gate is None:
             return
-        if not (0.0 <= float(gate) <= 1.0):
-            raise ValueError(f"gate: a share of the activation mass in [0, 1], got {gate}")
-        if int(window) < 1:
-            raise ValueError(f"gate_window: at least 1 position, got {window}")
+        check_gate(float(gate), int(window))
         self._gate = (float(gate), int(window))
 
     @contextmanager

@@ -77,6 +77,15 @@ class Block(nn.Module):
         return x + self.mlp(self.ln2(x))
 
 
+def check_gate(gate: float, window: int) -> None:
+    """Raise ValueError unless ``gate`` is a share in [0, 1] and ``window`` at least one position (the
+    conditional steering of :meth:`PRISM.suppression_gate`)."""
+    if not (math.isfinite(gate) and 0.0 <= gate <= 1.0):
+        raise ValueError(f"gate: a share of the activation mass, in [0, 1]; got {gate}")
+    if window < 1:
+        raise ValueError(f"gate_window: at least 1 position; got {window}")
+
+
 @dataclass
 class HeadOutput:
     """Sparse prototype code of N token states (flattened over batch and time)."""
@@ -396,10 +405,7 @@ class PRISM(nn.Module):
         over the last ``window`` positions up to and including t (fewer at the start), is at least ``gate``.
         Causal: a position's gate never depends on a later one."""
         assert self.head is not None
-        if not (math.isfinite(gate) and 0.0 <= gate <= 1.0):
-            raise ValueError(f"gate: a share of the activation mass, in [0, 1]; got {gate}")
-        if window < 1:
-            raise ValueError(f"gate_window: at least 1 position; got {window}")
+        check_gate(gate, window)
         B, T, d = z.shape
         h = self.head(z.reshape(-1, d))
         ids = torch.as_tensor(suppress, dtype=torch.long).reshape(-1).to(z.device)
