@@ -240,6 +240,16 @@ class TopicClassifier:
         return self.proba(texts) > 0.5
 
 
+def classifier_documents(rng: np.random.Generator, topic: np.ndarray, trained: np.ndarray,
+                         half: np.ndarray) -> np.ndarray:
+    """Step 3's documents (indices): the topic's documents outside discovery's half (positives), the other
+    categories' validation documents and as many of their training documents, drawn with ``rng``."""
+    pos = np.nonzero(topic & ~(trained & half))[0]
+    neg_val = np.nonzero(~topic & ~trained)[0]
+    neg_tr = rng.choice(np.nonzero(~topic & trained)[0], size=len(neg_val), replace=False)
+    return np.concatenate([pos, neg_val, neg_tr])
+
+
 def cross_validate(texts: list[str], y: np.ndarray, folds: int = 5, seed: int = 0) -> dict:
     rng = np.random.default_rng(seed)
     fold = rng.permutation(len(texts)) % folds
@@ -463,10 +473,7 @@ def main(argv: list[str] | None = None) -> dict:
     disc_s = time.perf_counter() - t_disc
     ranked = [d.proto_id for d in found]
     # 3. the classifier, on documents discovery did not see
-    pos = np.nonzero(topic & ~(trained & half))[0]
-    neg_val = np.nonzero(~topic & ~trained)[0]
-    neg_tr = rng.choice(np.nonzero(~topic & trained)[0], size=len(neg_val), replace=False)
-    clf_docs = np.concatenate([pos, neg_val, neg_tr])
+    clf_docs = classifier_documents(rng, topic, trained, half)
     texts = [docs["text"][i] for i in clf_docs]
     y = topic[clf_docs].astype(int)
     held = np.nonzero(~trained)[0]

@@ -226,6 +226,14 @@ TARGETS: list[Target] = [
     Target(27, "`other_ppl_ratio`, the same gated set (suppressed everywhere: 1.027; graded to alpha 0.5 instead: "
                "1.006)", "steering.json", "gated.step6_selected.set.other_ppl_ratio", "<=", 1.02,
            "gated.step6_selected.set.other_ppl_ratio_ci"),
+    Target(27, "`topic_rate_drop`, step 6's set in the configuration the tuning split chose (gate 0.1), a fresh split "
+               "(50 new neutral prompts x 200 samples), the classifier at a 0.1% false-positive threshold (it sees the "
+               "topic's blatant form only; the most it can show here: 0.796)", "steering_precise.json",
+           "primary.topic_rate_drop", ">=", 0.75, "primary.topic_rate_drop_ci",
+           "not the rule's choice, the same split: alpha 0.5 everywhere 0.776 at x1.006, alpha 0.25 0.939 at x1.014, "
+           "alpha 0 1.0 at x1.027; the random set gated: 0.0"),
+    Target(27, "`other_ppl_ratio`, the same configuration", "steering_precise.json", "primary.other_ppl_ratio", "<=",
+           1.02, "primary.other_ppl_ratio_ci"),
     Target(27, "`controller_gain_points` (multiple choice, held out)", "control.json", "controller_gain_points", None,
            None, "controller_gain_points_ci"),
     Target(27, "random-direction controller of the same size, gain in points", "control.json", "random_gain_points",

@@ -619,3 +619,22 @@ def test_steering_window_judge_sees_a_style_the_words_do_not_show():
     assert ((sparse.proba(test) > 0.5) == (test_y == 1)).mean() == 1.0
     words_only = TopicClassifier(featurize=features).fit(train, y)  # test words almost all unseen: little signal
     assert ((words_only.proba(test) > 0.5) == (test_y == 1)).mean() < 0.75
+
+
+def test_steering_precise_chooses_the_largest_tuning_drop_within_the_perplexity_bound():
+    """bench/steering_precise.py's rule: among configurations within the tuning contrast bound, the largest
+    positive drop under the precise judge (the lower perplexity on a tie); none when none qualifies. Its fresh
+    report prompts share none with steering.py's lists."""
+    from bench.steering import PROMPTS, TUNE_PROMPTS
+    from bench.steering_precise import FRESH_PROMPTS, choose
+
+    rows = [{"config": "a", "contrast_ppl_ratio": 1.02},  # over the bound: never generated
+            {"config": "b", "contrast_ppl_ratio": 1.004, "precise_drop": 0.7},
+            {"config": "c", "contrast_ppl_ratio": 1.009, "precise_drop": 0.8},
+            {"config": "d", "contrast_ppl_ratio": 1.002, "precise_drop": 0.8}]
+    assert choose(rows, 1.01) == "d"
+    assert choose(rows[:3], 1.01) == "c"
+    assert choose(rows, 1.0) is None
+    assert choose([{"config": "e", "contrast_ppl_ratio": 1.0, "precise_drop": -0.1}], 1.01) is None
+    assert len(set(FRESH_PROMPTS)) == len(FRESH_PROMPTS) == 50
+    assert not set(FRESH_PROMPTS) & (set(PROMPTS) | set(TUNE_PROMPTS))
