@@ -197,6 +197,11 @@ def cmd_discover(args: argparse.Namespace) -> int:
         for c in sel.get("cost_by_text", []):
             where = f"document {c['doc_id']}" if c["doc_id"] is not None else f"contrast text {c['text_index'] + 1}"
             print(f"  cost {c['share']:.0%} on {where} ({c['tokens']} tokens): {c['snippet']!r}")
+        eff0 = next((r["effect"] for r in sel.get("strengths", []) if r["alpha"] == 0), None)
+        for r in sel.get("strengths", []):
+            kept = f", {r['effect'] / eff0:.0%} of the loss effect at x0" if eff0 and eff0 > 0 and r["alpha"] else ""
+            print(f"  at strength x{r['alpha']:.2f}: effect {r['effect']:.4f} nats/token{kept}; contrast perplexity "
+                  f"x{r['contrast_ppl_ratio']:.4f}")
     ids = ",".join(str(i) for i in chosen)
     print(f"\nsave as a set: curl -X PUT .../v1/prototype-sets/NAME -d '{{\"prototypes\": [{ids}]}}'")
     return 0

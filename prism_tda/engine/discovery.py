@@ -150,6 +150,6 @@ def effect_selection(att: Attributor, topic_ids: list[list[int]] | None, topic_d
             "steps": [{"proto_id": st.proto_id, "effect": st.effect, "topic_loss_increase": st.topic_loss_increase,
                        "contrast_loss_increase": st.other_loss_increase, "contrast_ppl_ratio": st.contrast_ppl_ratio}
                       for st in steps],
-            "cost_by_text": cost}
+            "cost_by_text": cost, "strengths": texts.strengths(att.model, [st.proto_id for st in steps])}
 
 

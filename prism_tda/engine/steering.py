@@ -73,6 +73,7 @@ class PrototypeMass:
 
 
 TOP = 5  # strongest contexts kept per prototype
+STRENGTHS = (0.0, 0.25, 0.5, 0.75)  # the strengths a selected set's effect and cost are reported at
 
 
 MEASURES = ("activation", "logit")
@@ -367,6 +368,26 @@ class EffectTexts:
         n = torch.bincount(self.group, minlength=3).double()
         return total / n.where(n > 0, torch.tensor(float("nan"), dtype=torch.float64))
 
+
+    @torch.no_grad()
+    def strengths(self, model: PRISM, ids: list[int], alphas: tuple[float, ...] = STRENGTHS
+                  ) -> list[dict[str, float]]:
+        """What scaling prototypes ``ids`` by each of ``alphas`` does, measured as :func:`select_by_effect`
+        measures a set: per alpha the topic's loss increase, the reference's (the other text's, or the
+        contrast's when there is none), their difference ``effect``, the contrast's loss increase and its
+        perplexity ratio. A lower strength often keeps most of the effect for a fraction of the cost
+        (``docs/benchmarks.md``, "Steering under a judge precise enough")."""
+        if not ids:
+            return []
+        base = self.nll(model, [])
+        other = 1 if not bool(torch.isnan(base[1])) else 2
+        out = []
+        for a in alphas:
+            d = (self.nll(model, ids, a) - base).tolist()
+            out.append({"alpha": a, "effect": d[0] - d[other], "topic_loss_increase": d[0],
+                        "contrast_loss_increase": d[2] if not math.isnan(d[2]) else 0.0,
+                        "contrast_ppl_ratio": math.exp(d[2]) if not math.isnan(d[2]) else 1.0})
+        return out
 
     @torch.no_grad()
     def cost_by_text(self, model: PRISM, ids: list[int], group: int = 2, alpha: float = 0.0, top: int = 3,

@@ -351,6 +351,14 @@ class SelectionCost(BaseModel):
     snippet: str = Field(description="Its first tokens, as text.")
 
 
+class SelectionStrength(BaseModel):
+    alpha: float = Field(description="The strength the chosen set is scaled by (0 removes it).")
+    effect: float = Field(description="The topic's loss increase minus the contrast's, nats per token.")
+    topic_loss_increase: float
+    contrast_loss_increase: float
+    contrast_ppl_ratio: float
+
+
 class EffectSelection(BaseModel):
     rule: str
     budget: int
@@ -365,6 +373,9 @@ class EffectSelection(BaseModel):
     cost_by_text: list[SelectionCost] = Field(description="The (at most 3) contrast texts on which the chosen "
                                               "set's perplexity cost falls most, largest first: a set's cost often "
                                               "sits on a few texts, and these say what else it writes.")
+    strengths: list[SelectionStrength] = Field(
+        description="The chosen set's effect and cost at strengths 0, 0.25, 0.5 and 0.75, measured on the same texts "
+                    "as its steps: a lower strength often keeps most of the effect for a fraction of the cost.")
 
 
 class DiscoveredContext(BaseModel):

@@ -196,6 +196,27 @@ def test_selection_by_effect_is_greedy_on_the_measured_losses(tiny_ckpt):
         assert sum(c["share"] for c in cost) == pytest.approx(sum(c["extra_nats"] for c in cost) / total, abs=1e-3)
     assert [c["extra_nats"] for c in cost] == sorted((c["extra_nats"] for c in cost), reverse=True)
     assert texts.cost_by_text(model, []) == []
+    # the chosen set at each reported strength: at alpha 0 the last step's figures; at every alpha the losses a
+    # fresh pass of the model with the set scaled gives (one text per group, its windows scored alone)
+    strengths = texts.strengths(model, chosen)
+    assert [r["alpha"] for r in strengths] == [0.0, 0.25, 0.5, 0.75]
+    assert strengths[0]["effect"] == pytest.approx(steps[-1].effect, abs=1e-5)
+    assert strengths[0]["contrast_ppl_ratio"] == pytest.approx(steps[-1].contrast_ppl_ratio, abs=1e-6)
+    topic_one, contrast_one = enc(["A computer program runs."])[0], contrast[1]
+    for r in strengths:
+        rise = []
+        for ids_ in (topic_one, contrast_one):
+            x, y = torch.tensor([ids_[:-1]]), torch.tensor(ids_[1:])
+            with torch.no_grad():
+                rise.append(float(F.cross_entropy(model(x, suppress=torch.tensor(chosen), alpha=r["alpha"]).logits[0], y)
+                                  - F.cross_entropy(model(x).logits[0], y)))
+        alone = EffectTexts.of(model, ([topic_one], [], [contrast_one]))
+        mine = {a["alpha"]: a for a in alone.strengths(model, chosen)}[r["alpha"]]
+        assert mine["topic_loss_increase"] == pytest.approx(rise[0], abs=1e-5)
+        assert mine["contrast_loss_increase"] == pytest.approx(rise[1], abs=1e-5)
+        assert mine["effect"] == pytest.approx(rise[0] - rise[1], abs=1e-5)  # no other text: against the contrast
+        assert mine["contrast_ppl_ratio"] == pytest.approx(math.exp(rise[1]), abs=1e-6)
+    assert texts.strengths(model, []) == []
     # re-routed: the same greedy rule, its bookkeeping (each token encoded again without the set) equal to a
     # fresh pass of the model's re-routed removal
     rr = select_by_effect(model, texts, cands, budget=3, max_ppl_ratio=1.05, reroute=True)

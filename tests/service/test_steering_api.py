@@ -42,6 +42,11 @@ def test_discover_from_sql_texts_and_ids(client):
     for c in sel["cost_by_text"]:
         assert c["doc_id"] is not None and c["text_index"] is None and 0 < c["share"] <= 1 and c["extra_nats"] > 0
         assert client.get("/v1/documents", params={"ids": str(c["doc_id"])}).json()["documents"][0]["text"].strip()
+    # the chosen set at lower strengths, measured the same way: at 0 the last step's figures
+    st = sel["strengths"]
+    assert [r["alpha"] for r in st] == [0.0, 0.25, 0.5, 0.75]
+    assert abs(st[0]["effect"] - sel["steps"][-1]["effect"]) < 1e-5
+    assert abs(st[0]["contrast_ppl_ratio"] - sel["steps"][-1]["contrast_ppl_ratio"]) < 1e-6
     # pasted texts, against pasted contrast texts
     texts = [d["text"] for d in client.get("/v1/documents", params={"ids": ",".join(map(str, ids[:20]))}).json()["documents"]]
     r = client.post("/v1/prototypes/discover", json={"topic": {"texts": texts}, "min_docs": 1,
@@ -100,6 +105,7 @@ def test_prism_discover_cli(index):
     steps = [line for line in out.stdout.splitlines() if line.startswith("  + ")]
     assert "selected by effect" in out.stdout and 1 <= len(steps) <= 2
     assert re.search(r"cost \d+% on document \d+ \(\d+ tokens\)", out.stdout), out.stdout
+    assert re.search(r"at strength x0\.50: effect -?[\d.]+ nats/token.*contrast perplexity x[\d.]+", out.stdout), out.stdout
     saved = out.stdout.split('"prototypes": [')[1].split("]")[0]
     assert saved == ",".join(line.split()[1] for line in steps)
     bad = subprocess.run([sys.executable, "-m", "prism_tda.cli", "discover", "--index", str(index)],

@@ -268,6 +268,8 @@ def test_steer_discover_save_and_compare(page, web_live):
     costs = page.locator("#steer-cost li")  # the contrast documents the set's cost falls on, linked
     assert costs.count() >= 1 and "% of it on document" in costs.first.inner_text()
     assert costs.first.locator("a").get_attribute("href").startswith("#/document/")
+    strengths = page.locator("#steer-strengths").inner_text()  # how much of the effect a lower strength keeps
+    assert "×0.25:" in strengths and "×0.50:" in strengths and "contrast perplexity" in strengths
     chosen = sorted(int(b.get_attribute("value")) for b in page.locator("#steer-found tbody input:checked").all())
     sel = httpx.post(web_live.url + "/v1/prototypes/discover",
                      json={"topic": {"sql": "SELECT doc_id FROM documents WHERE external_id LIKE 'art/%'"}, "top_n": 20,

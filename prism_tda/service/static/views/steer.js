@@ -105,6 +105,15 @@ function costList(costs) {
       ` (${c.tokens} tokens): `, h("span", { class: "ctx" }, `${c.snippet}…`)))));
 }
 
+function strengthText(rows) {
+  // the chosen set at lower strengths: how much of its effect each keeps, at what cost on the contrast
+  const full = rows.find((r) => r.alpha === 0);
+  const parts = rows.filter((r) => r.alpha > 0).map((r) => `×${num(r.alpha, 2)}: ` +
+    (full && full.effect > 0 ? `${pct(r.effect / full.effect, 0)} of the loss effect` : `effect ${num(r.effect, 3)}`) +
+    ` at contrast perplexity ×${num(r.contrast_ppl_ratio, 3)}`);
+  return h("p", { class: "muted", id: "steer-strengths" }, `At a lower strength (the slider below): ${parts.join("; ")}.`);
+}
+
 function context(c) {
   if (!c) return "";
   return h("span", { class: "ctx" }, c.before.slice(-30), h("mark", {}, c.token), c.after.slice(0, 20));
@@ -146,6 +155,7 @@ function showFound(out, res) {
       `${res.topic.source}; against ${res.contrast.source} (${res.contrast.tokens} tokens).`),
     res.selection ? h("p", { id: "steer-selection" }, selectionText(res.selection)) : null,
     res.selection && (res.selection.cost_by_text || []).length ? costList(res.selection.cost_by_text) : null,
+    res.selection && (res.selection.strengths || []).length ? strengthText(res.selection.strengths) : null,
     table(["use", "prototype", "label", "ratio", "share of topic", "tokens", "docs", "strongest topic context"], rows),
     h("div", { class: "card" }, saveForm), genForm, genOut);
 
