@@ -4,7 +4,7 @@ by the same topic classifier at a 0.1% false-positive threshold, on a fresh repo
 
 Why: at the strict judge's 1% false-positive rate the most it can show on neutral prompts is a drop
 of 0.735 (``steering.json`` ``strict_judge.larger_draw.largest_drop_at_floor``), and step 6's set,
-suppressed everywhere, already brings the rate down to that floor (0.0088 against 0.0076). Whether a
+suppressed everywhere, already brings the rate down to that floor (0.0088 against 0.0080). Whether a
 set removes the topic (a drop of 0.75 or more) cannot be seen at that resolution.
 
     python -m bench.steering_precise --index runs/demo/index
