@@ -39,6 +39,7 @@ import argparse
 import json
 import math
 import time
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -98,7 +99,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--out", default="bench/results/steering_precise.json")
     args = ap.parse_args(argv)
     t0 = time.perf_counter()
-    st = json.loads(open(args.steering).read())
+    st = json.loads(Path(args.steering).read_text())
     torch.manual_seed(args.seed)
     att = Attributor.open(args.index)
     model, tok = att.model, att.tokenizer

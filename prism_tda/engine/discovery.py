@@ -136,8 +136,10 @@ def effect_selection(att: Attributor, topic_ids: list[list[int]] | None, topic_d
                            on_progress=None if progress is None else functools.partial(progress, "model"))
     steps = select_by_effect(att.model, texts, candidates, budget=budget, max_ppl_ratio=max_ppl_ratio, stop=stop,
                              on_progress=None if progress is None else functools.partial(progress, "selection"))
+    chosen = [st.proto_id for st in steps]
+    strengths = texts.strengths(att.model, chosen)
     cost = []
-    for c in texts.cost_by_text(att.model, [st.proto_id for st in steps]):
+    for c in texts.cost_by_text(att.model, chosen):
         j = int(c["text"])
         ids = other[j]
         cost.append({"doc_id": int(contrast_docs[j]) if contrast_docs is not None else None,
@@ -146,10 +148,10 @@ def effect_selection(att: Attributor, topic_ids: list[list[int]] | None, topic_d
     return {"rule": "effect", "budget": budget, "max_ppl_ratio": max_ppl_ratio, "contrast": source,
             "topic_tokens": int((texts.group == 0).sum()), "contrast_tokens": int((texts.group == 2).sum()),
             "candidates": len(candidates), "seconds": round(time.perf_counter() - t0, 3),
-            "prototypes": [st.proto_id for st in steps],
+            "prototypes": chosen,
             "steps": [{"proto_id": st.proto_id, "effect": st.effect, "topic_loss_increase": st.topic_loss_increase,
                        "contrast_loss_increase": st.other_loss_increase, "contrast_ppl_ratio": st.contrast_ppl_ratio}
                       for st in steps],
-            "cost_by_text": cost, "strengths": texts.strengths(att.model, [st.proto_id for st in steps])}
+            "cost_by_text": cost, "strengths": strengths}
 
 

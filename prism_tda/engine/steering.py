@@ -28,7 +28,7 @@ import math
 import re
 import threading
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -368,6 +368,26 @@ class EffectTexts:
         n = torch.bincount(self.group, minlength=3).double()
         return total / n.where(n > 0, torch.tensor(float("nan"), dtype=torch.float64))
 
+    @torch.no_grad()
+    def rises(self, model: PRISM, ids: list[int], alphas: Sequence[float], chunk: int = 4096) -> torch.Tensor:
+        """(len(alphas), N) float64: each row's next-token loss increase with prototypes ``ids`` scaled by each
+        alpha. Scaling changes a row only where one of them is active, so only those rows are unembedded (their
+        unscaled loss once for every alpha); the rest are 0."""
+        out = torch.zeros(len(alphas), len(self.y), dtype=torch.float64)
+        if not ids:
+            return out
+        sel = torch.tensor(ids, dtype=torch.long)
+        rows = torch.isin(self.proto_idx, sel).any(1).nonzero().flatten()
+        W = model.W.float()
+        ce = torch.nn.functional.cross_entropy
+        for b in range(0, len(rows), chunk):
+            r = rows[b : b + chunk]
+            z, y = self.z[r].float(), self.y[r]
+            own = ce(z @ W.T, y, reduction="none")
+            for i, a in enumerate(alphas):
+                zs = model.steered_hidden(z[None], sel, a)[0].float()
+                out[i, r] = (ce(zs @ W.T, y, reduction="none") - own).double()
+        return out
 
     @torch.no_grad()
     def strengths(self, model: PRISM, ids: list[int], alphas: tuple[float, ...] = STRENGTHS
@@ -379,19 +399,19 @@ class EffectTexts:
         (``docs/benchmarks.md``, "Steering under a judge precise enough")."""
         if not ids:
             return []
-        base = self.nll(model, [])
-        other = 1 if not bool(torch.isnan(base[1])) else 2
+        n = torch.bincount(self.group, minlength=3).double()
+        other = 1 if n[1] > 0 else 2
+        per_group = torch.zeros(len(alphas), 3, dtype=torch.float64).index_add_(1, self.group,
+                                                                                self.rises(model, ids, alphas))
         out = []
-        for a in alphas:
-            d = (self.nll(model, ids, a) - base).tolist()
+        for a, d in zip(alphas, (per_group / n.clamp_min(1)).tolist(), strict=True):
             out.append({"alpha": a, "effect": d[0] - d[other], "topic_loss_increase": d[0],
-                        "contrast_loss_increase": d[2] if not math.isnan(d[2]) else 0.0,
-                        "contrast_ppl_ratio": math.exp(d[2]) if not math.isnan(d[2]) else 1.0})
+                        "contrast_loss_increase": d[2], "contrast_ppl_ratio": math.exp(d[2])})
         return out
 
     @torch.no_grad()
-    def cost_by_text(self, model: PRISM, ids: list[int], group: int = 2, alpha: float = 0.0, top: int = 3,
-                     chunk: int = 4096) -> list[dict[str, float | int]]:
+    def cost_by_text(self, model: PRISM, ids: list[int], group: int = 2, alpha: float = 0.0, top: int = 3
+                     ) -> list[dict[str, float | int]]:
         """Where scaling prototypes ``ids`` by ``alpha`` costs in ``group`` (the contrast by default): the ``top``
         texts whose summed next-token loss rises most, each with ``text`` (its index in the group), ``tokens``,
         ``extra_nats`` and ``share`` of the group's whole rise. A set's perplexity cost often sits on a few texts
@@ -401,15 +421,7 @@ class EffectTexts:
         rows = (self.group == group).nonzero().flatten()
         if not len(rows) or not ids:
             return []
-        W = model.W.float()
-        rise = torch.zeros(len(rows), dtype=torch.float64)
-        for b in range(0, len(rows), chunk):
-            r = rows[b : b + chunk]
-            z = self.z[r].float()
-            zs = model.steered_hidden(z[None], torch.tensor(ids), alpha)[0].float()
-            ce = torch.nn.functional.cross_entropy
-            rise[b : b + chunk] = (ce(zs @ W.T, self.y[r], reduction="none")
-                                   - ce(z @ W.T, self.y[r], reduction="none")).double()
+        rise = self.rises(model, ids, [alpha])[0, rows]
         text = self.text[rows]
         n_texts = int(text.max()) + 1
         per = torch.zeros(n_texts, dtype=torch.float64).index_add_(0, text, rise)
