@@ -44,7 +44,7 @@ CREATE TABLE IF NOT EXISTS items (
 CREATE INDEX IF NOT EXISTS items_by_status ON items (status, job_id, item_no);
 CREATE TABLE IF NOT EXISTS results (
     job_id TEXT NOT NULL, item_no INTEGER NOT NULL, rank INTEGER NOT NULL, doc_id INTEGER NOT NULL,
-    score REAL NOT NULL, raw_influence REAL, seq_id INTEGER, trained INTEGER, value REAL,
+    score REAL NOT NULL, raw_influence REAL, seq_id INTEGER, trained INTEGER, value REAL, influence REAL,
     PRIMARY KEY (job_id, item_no, rank)
 );
 CREATE TABLE IF NOT EXISTS prototype_sets (
@@ -71,7 +71,9 @@ ACTIVE = ("queued", "running")
 AUDIT_RESULTS_SCHEMA = pa.schema([
     ("job_id", pa.string()), ("item_no", pa.int32()), ("item_id", pa.string()), ("rank", pa.int32()),
     ("doc_id", pa.int32()), ("score", pa.float64()), ("raw_influence", pa.float64()), ("seq_id", pa.int32()),
-    ("trained", pa.bool_()), ("value", pa.float64()), ("target_text", pa.string()), ("flagged", pa.bool_()), ("flagged_prototypes", pa.list_(pa.int32())),
+    ("trained", pa.bool_()), ("value", pa.float64()),
+    ("influence", pa.float64()),  # the full-model influence, for audits run with the `influence` option
+    ("target_text", pa.string()), ("flagged", pa.bool_()), ("flagged_prototypes", pa.list_(pa.int32())),
     ("used_prototypes", pa.list_(pa.int32())),
     ("removed", pa.bool_()),  # the cited document was taken down since (set by the reader of the table)
 ])
@@ -111,6 +113,8 @@ class StateDB:
                 con.execute("ALTER TABLE results ADD COLUMN trained INTEGER")
             if "value" not in cols:  # from before documents' values: their results have none (null)
                 con.execute("ALTER TABLE results ADD COLUMN value REAL")
+            if "influence" not in cols:  # from before audits kept the `influence` option's values (null)
+                con.execute("ALTER TABLE results ADD COLUMN influence REAL")
             if "target_index" not in {r["name"] for r in con.execute("PRAGMA table_info(items)")}:
                 con.execute("ALTER TABLE items ADD COLUMN target_index INTEGER")
 
@@ -273,10 +277,10 @@ class StateDB:
         if cur.rowcount != 1:
             return False
         con.executemany(
-            "INSERT INTO results (job_id, item_no, rank, doc_id, score, raw_influence, seq_id, trained, value) "
-            "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
+            "INSERT INTO results (job_id, item_no, rank, doc_id, score, raw_influence, seq_id, trained, value, "
+            "influence) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
             [(job_id, item_no, rank, d["doc_id"], d["score"], d.get("raw_influence"), d.get("seq_id"),
-              int(d.get("trained", True)), d.get("value"))
+              int(d.get("trained", True)), d.get("value"), d.get("influence"))
              for rank, d in enumerate(r.get("documents", []), 1)])
         col = "n_failed" if error is not None else "n_done"
         con.execute(f"UPDATE jobs SET {col} = {col} + 1, updated_at = ?, status = CASE WHEN "
@@ -469,7 +473,7 @@ def _audit_results(con: sqlite3.Connection, index_name: str | None, job_id: str 
             where.append(f"{col} = ?")
             args.append(val)
     sql = ("SELECT r.job_id, r.item_no, i.item_id, r.rank, r.doc_id, r.score, r.raw_influence, r.seq_id, "
-           "coalesce(r.trained, 1) AS trained, r.value, "
+           "coalesce(r.trained, 1) AS trained, r.value, r.influence, "
            "i.target_text, i.flagged_prototypes, i.used_prototypes FROM results r "
            "JOIN items i ON i.job_id = r.job_id AND i.item_no = r.item_no JOIN jobs j ON j.id = r.job_id"
            + (" WHERE " + " AND ".join(where) if where else "") + " ORDER BY r.job_id, r.item_no, r.rank")
@@ -478,7 +482,7 @@ def _audit_results(con: sqlite3.Connection, index_name: str | None, job_id: str 
     for r in rows:
         flagged = json.loads(r["flagged_prototypes"] or "[]")
         for k in ("job_id", "item_no", "item_id", "rank", "doc_id", "score", "raw_influence", "seq_id",
-                  "value", "target_text"):
+                  "value", "influence", "target_text"):
             cols[k].append(r[k])
         cols["trained"].append(bool(r["trained"]))
         cols["flagged"].append(bool(flagged))

@@ -40,7 +40,7 @@ def outcome(res: Attribution, flag: set[int]) -> dict[str, Any]:
     """An item's stored result: target, prototypes used by the target tokens, the flagged ones, documents."""
     used = sorted({p.proto_id for t in res.per_token for p in t.prototypes if p.act > 0})
     docs = [{"doc_id": d.doc_id, "score": d.score, "raw_influence": d.raw_influence, "value": d.value,
-             "trained": d.trained,
+             "influence": d.influence, "trained": d.trained,
              "seq_id": d.seq_id, "external_id": d.external_id} for d in res.documents]
     return {"target_text": res.query.target_text, "used_prototypes": used,
             "flagged_prototypes": [p for p in used if p in flag], "documents": docs}

@@ -142,5 +142,5 @@ def test_a_state_database_from_before_values_opens_with_them_null(tmp_path):
     con.close()
     StateDB(tmp_path)
     con = sqlite3.connect(tmp_path / "state.sqlite3")
-    assert con.execute("SELECT doc_id, score, value FROM results").fetchall() == [(7, 0.5, None)]
+    assert con.execute("SELECT doc_id, score, value, influence FROM results").fetchall() == [(7, 0.5, None, None)]
     con.close()

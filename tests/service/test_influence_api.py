@@ -3,9 +3,12 @@ index has its influence curvature, a problem naming the fix where it has none.""
 
 from __future__ import annotations
 
+import io
 import shutil
+import time
 
 import httpx
+import pyarrow.parquet as pq
 
 from prism_tda.engine import layout
 from prism_tda.engine.influence import fit_index
@@ -38,3 +41,36 @@ def test_attribute_with_influence(index, tmp_path):
         assert len(docs) + r.json()["opposed_by_influence"] == len(plain) + plain_json["opposed_by_value"]
         assert_problem(c.post("/v1/attribute", json={**q, "index": "bare", "influence": True}), 422,
                        "invalid-query", mentions="--influence")
+
+
+def test_an_audit_with_influence_keeps_each_documents_influence(index, tmp_path):
+    """An audit run with the option stores what it paid for: each cited document's full-model influence,
+    equal to the one-query answer's, in the items, the Parquet download and ``audit_results``; an audit
+    without it stores null there."""
+    fitted = tmp_path / "fitted"
+    shutil.copytree(index, fitted)
+    fit_index(fitted, max_sequences=32)
+    settings = service_settings(fitted, tmp_path / "state")
+    q = {"prompt": "A computer", "completion": " is a", "n_documents": 4}
+    with serving(settings) as live, httpx.Client(base_url=live.url, timeout=60) as c:
+        want = c.post("/v1/attribute", json={**q, "influence": True}).json()["documents"]
+        ids = {}
+        for name, opt in (("with", True), ("without", False)):
+            r = c.post("/v1/audits", json={"items": [{"id": "x", "prompt": q["prompt"], "completion": q["completion"]}],
+                                           "n_documents": 4, "influence": opt})
+            assert r.status_code == 202, r.text
+            ids[name] = r.json()["id"]
+            deadline = time.monotonic() + 60
+            while c.get(f"/v1/audits/{ids[name]}").json()["status"] != "completed":
+                assert time.monotonic() < deadline, "the audit did not finish"
+                time.sleep(0.1)
+        docs = c.get(f"/v1/audits/{ids['with']}/items").json()["items"][0]["documents"]
+        assert [(d["doc_id"], d["influence"]) for d in docs] == [(d["doc_id"], d["influence"]) for d in want]
+        assert docs and all(isinstance(d["influence"], float) for d in docs)
+        raw = c.get(f"/v1/audits/{ids['with']}/results", params={"format": "parquet"})
+        assert pq.read_table(io.BytesIO(raw.content))["influence"].to_pylist() == [d["influence"] for d in docs]
+        rows = c.post("/v1/sql", json={"sql": "SELECT job_id, influence FROM audit_results ORDER BY job_id, rank"}
+                      ).json()["rows"]
+        got = {j: [v for jj, v in rows if jj == j] for j in ids.values()}
+        assert got[ids["with"]] == [d["influence"] for d in docs]
+        assert got[ids["without"]] and all(v is None for v in got[ids["without"]])

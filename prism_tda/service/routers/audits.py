@@ -33,7 +33,7 @@ def job_view(job: dict[str, Any]) -> AuditJob:
 
 
 # what a citation of a document taken down keeps: that it was cited, where and how strongly
-CITATION_KEPT = ("doc_id", "external_id", "rank", "score", "raw_influence", "value", "trained")
+CITATION_KEPT = ("doc_id", "external_id", "rank", "score", "raw_influence", "value", "influence", "trained")
 
 
 def item_view(it: dict[str, Any], removed: Callable[[np.ndarray], np.ndarray] | None = None) -> AuditItemOut:
