@@ -78,6 +78,16 @@ def fmt(x: float) -> str:
 
 TARGETS: list[Target] = [
     # issue 24: answers you can trust
+    Target(24, "LDS: the served default as a query gets it (the index's damping, 128 documents returned, those "
+           "whose `value` opposes the output left out, by value) minus EK-FAC, the fifth fresh split (seed 10, "
+           "reported once; paired)", "attribution.json", "served_default_seed10.value_vs_ekfac.estimate", ">=", 0.0,
+           "served_default_seed10.value_vs_ekfac.ci95", dated_by="attribution_influence_seed10.json"),
+    Target(24, "LDS: the same answer with the `influence` option minus EK-FAC, the same split (paired)",
+           "attribution.json", "served_default_seed10.lds_diff_prism_fast_influence_ekfac_ci", ">=", 0.0,
+           dated_by="attribution_influence_seed10.json"),
+    Target(24, "`canary_recall_at_10_paraphrase`, the served answer on the fresh split of seed 10 (verbatim: 1.0)",
+           "attribution_value_rules_seed10.json", "guard.canary_recall_at_10_paraphrase_served", ">=",
+           0.95),
     Target(24, "LDS: served fast path (documents by their score) minus EK-FAC, four fresh splits pooled (paired)",
            "attribution.json",
            "fresh_splits_influence_pooled.lds_diff_prism_fast_ekfac_ci.estimate", ">=", 0.0,
