@@ -41,6 +41,11 @@ def test_attribute_with_influence(index, tmp_path):
         assert len(docs) + r.json()["opposed_by_influence"] == len(plain) + plain_json["opposed_by_value"]
         assert_problem(c.post("/v1/attribute", json={**q, "index": "bare", "influence": True}), 422,
                        "invalid-query", mentions="--influence")
+        # an audit asking for it where the index cannot serve it is refused at once, and stores nothing
+        audit = {"index": "bare", "items": [{"prompt": "A computer", "completion": " is a"}], "influence": True}
+        assert_problem(c.post("/v1/audits", json=audit), 422, "invalid-query", mentions="--influence")
+        assert c.get("/v1/audits", params={"index": "bare"}).json()["audits"] == []
+        assert c.post("/v1/audits", json={**audit, "index": "fitted"}).status_code == 202
 
 
 def test_an_audit_with_influence_keeps_each_documents_influence(index, tmp_path):

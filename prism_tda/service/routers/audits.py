@@ -90,6 +90,11 @@ async def create_audit(body: AuditRequest, services: ServicesDep, principal: Pri
     options = body.options()
     services.check_limits(n_items=("items", len(body.items)), options=options, context=ix.attributor.encoder.context)
     options = services.bounded(options)
+    if options.influence:  # refused now, not item by item in the background, where the index cannot serve it
+        try:
+            await services.io(ix.attributor.ekfac)
+        except QueryError as e:
+            raise p.from_query_error(e) from None
     services.check_limits(n_items=("flag_prototypes", len(body.flag_prototypes or [])))
     await services.check_active(principal, services.state.active_jobs, services.settings.max_active_audits_per_key,
                                 p.AuditQuota, "audits", 30)
