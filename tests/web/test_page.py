@@ -371,3 +371,34 @@ def test_influence_checkbox_shows_each_documents_effect(browser, fitted, web_liv
     finally:
         context.close()
     assert not errors, errors
+
+
+def test_audit_with_influence_shows_each_documents_effect(browser, fitted, web_live):
+    """The audit form's influence box: each cited document shows its full-model effect, the value the
+    REST items hold; on an index without the curvature the submission is refused with the fix."""
+    context = browser.new_context(viewport={"width": 1280, "height": 900})
+    page = context.new_page()
+    page.set_default_timeout(30_000)
+    errors: list[str] = []
+    page.on("pageerror", lambda e: errors.append(str(e)))
+    item = json.dumps({"id": "x", "prompt": "It was a", "completion": " long time ago"})
+    try:
+        for url, works in ((fitted, True), (web_live.url, False)):
+            page.goto(url + "/#/audits")
+            page.fill("#audit-jsonl", item)
+            page.check("#audit-influence")
+            page.get_by_role("button", name="Start audit").click()
+            if not works:
+                alert = page.locator("[role=alert]").first
+                alert.wait_for()
+                assert "--influence" in alert.inner_text()
+                continue
+            page.wait_for_url(re.compile(r"#/audits/[^/]+$"))
+            page.locator("#audit-results[data-status='completed']").wait_for(timeout=60_000)
+            shown = page.locator("#audit-results ol.mini li .chip", has_text="effect").all_inner_texts()
+            audit_id = page.url.rsplit("/", 1)[-1]
+            docs = httpx.get(f"{url}/v1/audits/{audit_id}/items").json()["items"][0]["documents"]
+            assert docs and shown == [f"effect {d['influence']:.2f}" for d in docs[:3]]
+    finally:
+        context.close()
+    assert not errors, errors

@@ -53,6 +53,7 @@ export async function render(root, { args }) {
   const file = h("input", { id: "audit-file", type: "file", accept: ".jsonl,.json,.ndjson,.txt,application/x-ndjson" });
   const topK = h("input", { id: "audit-topk", type: "number", min: 1, max: 100, value: 5 });
   const flag = h("input", { id: "audit-flag", type: "text", placeholder: "e.g. 17, 42", spellcheck: "false" });
+  const effect = h("input", { id: "audit-influence", type: "checkbox" });
   const submit = h("button", { type: "submit", class: "primary" }, "Start audit");
   const status = h("p", { class: "status", role: "status" });
   const out = h("div");
@@ -64,13 +65,17 @@ export async function render(root, { args }) {
     h("div", { class: "row" }, field("…or upload a JSONL file", file),
       h("button", { type: "button", onclick: () => { text.value = EXAMPLE; } }, "Use an example")),
     h("div", { class: "row" }, field("Documents per item", topK),
-      field("Flag items using prototypes", flag, "Optional ids; flagged items are marked in the results.")),
+      field("Flag items using prototypes", flag, "Optional ids; flagged items are marked in the results."),
+      h("label", { class: "check", title: "EK-FAC through every linear layer: a backward pass per window of "
+        + "each cited document (the index needs `prism index --out IDX --influence`)" },
+        effect, " each document's full-model influence (slower; what predicts its effect best)")),
     h("div", { class: "row" }, submit, status));
   form.addEventListener("submit", async (e) => {
     e.preventDefault();
     let body;
     try {
       body = { items: parseJsonl(text.value), n_documents: Number(topK.value) };
+      if (effect.checked) body.influence = true;
       const ids = parseIds(flag.value);
       if (ids.length) body.flag_prototypes = ids;
     } catch (err) {
@@ -155,7 +160,9 @@ function showItems(el, res) {
     it.documents.length ? h("ol", { class: "mini" }, it.documents.slice(0, 3).map((d) => h("li", {},
       d.removed  // taken down since the audit ran: the citation stays, the document is gone
         ? h("span", { class: "muted", title: "taken down" }, `${d.external_id || `doc ${d.doc_id}`} (removed)`)
-        : h("a", { href: `#/document/${d.doc_id}` }, d.external_id || `doc ${d.doc_id}`), ` ${num(d.score)}`))) : "",
+        : h("a", { href: `#/document/${d.doc_id}` }, d.external_id || `doc ${d.doc_id}`), ` ${num(d.score)}`,
+      d.influence != null ? [" ", h("span", { class: "chip", title: "full-model influence: how much training on "
+        + "it lowered the output's loss" }, `effect ${num(d.influence, 2)}`)] : null))) : "",
   ]);
   clear(el, h("section", { class: "card" }, h("h2", {}, `Items (${res.job.n_items})`),
     table(["#", "id", "status", "output", "flag", "prototypes used", "top documents"], rows),
