@@ -461,18 +461,34 @@ class Attributor:
         return held + self.shards.document_values(q.G, pre, docs, tok, ctx)
 
     # ------------------------------------------------------------------------ full-model influence
+    def check_influence(self) -> None:
+        """QueryError, naming the fix, when the index cannot serve the ``influence`` option: no influence
+        curvature, one fitted for another checkpoint, or a file that cannot be read. Reads the file's
+        header only (a service checks this when an audit is submitted)."""
+        if self._ekfac is not None:
+            return
+        path = self.reader.dir / layout.EKFAC
+        fix = f"fit it with `prism index --out {self.reader.dir} --influence`"
+        if not path.exists():
+            raise QueryError(f"influence: {self.reader.dir} has no influence curvature ({layout.EKFAC}); {fix}")
+        try:
+            stamp = EKFAC.stamp(path)
+        except Exception as e:  # a truncated or foreign file: safetensors' own error type varies
+            raise QueryError(f"influence: {path} cannot be read ({e}); {fix}") from None
+        if stamp != self.manifest.identity["checkpoint_sha256"]:
+            raise QueryError(f"influence: {path} was fitted for another checkpoint than the index's; {fix} again")
+
     def ekfac(self) -> EKFAC:
         """The index's influence curvature (``engine/influence.py``), read on first use; QueryError when
-        the index has none or it belongs to another checkpoint."""
+        the index cannot serve it (:meth:`check_influence`)."""
         if self._ekfac is None:
+            self.check_influence()
             path = self.reader.dir / layout.EKFAC
-            if not path.exists():
-                raise QueryError(f"influence: {self.reader.dir} has no influence curvature ({layout.EKFAC}); "
-                                 f"fit it with `prism index --out {self.reader.dir} --influence`")
-            ek = EKFAC.load(path)
-            if ek.checkpoint_sha256 != self.manifest.identity["checkpoint_sha256"]:
-                raise PrismError(f"{path}: fitted for another checkpoint than the index's; fit it again")
-            self._ekfac = ek
+            try:
+                self._ekfac = EKFAC.load(path)
+            except Exception as e:
+                raise QueryError(f"influence: {path} cannot be read ({e}); fit it with "
+                                 f"`prism index --out {self.reader.dir} --influence`") from None
         return self._ekfac
 
     def influence(self, q: Query, docs: np.ndarray, damping: float | list[float] | None = None) -> np.ndarray:

@@ -79,3 +79,26 @@ def test_an_audit_with_influence_keeps_each_documents_influence(index, tmp_path)
         got = {j: [v for jj, v in rows if jj == j] for j in ids.values()}
         assert got[ids["with"]] == [d["influence"] for d in docs]
         assert got[ids["without"]] and all(v is None for v in got[ids["without"]])
+
+
+def test_a_curvature_the_index_cannot_use_is_a_problem_naming_the_fix(index, tmp_path):
+    """A curvature fitted for another checkpoint, or a file cut short, answers 422 with the file and the
+    command that fits it again, for one query and for an audit alike (not a server error)."""
+    from prism_tda.engine.influence import EKFAC
+
+    fitted = tmp_path / "fitted"
+    shutil.copytree(index, fitted)
+    fit_index(fitted, max_sequences=32)
+    path = fitted / layout.EKFAC
+    foreign, cut = tmp_path / "foreign", tmp_path / "cut"
+    for d in (foreign, cut):
+        shutil.copytree(fitted, d)
+    EKFAC.load(path).save(foreign / layout.EKFAC, "0" * 64)
+    (cut / layout.EKFAC).write_bytes(path.read_bytes()[:100])
+    settings = service_settings(fitted, tmp_path / "state", indexes={"foreign": foreign, "cut": cut})
+    with serving(settings) as live, httpx.Client(base_url=live.url, timeout=60) as c:
+        for name, says in (("foreign", "another checkpoint"), ("cut", "cannot be read")):
+            q = {"index": name, "prompt": "A computer", "completion": " is a", "influence": True}
+            assert_problem(c.post("/v1/attribute", json=q), 422, "invalid-query", mentions=says)
+            audit = {"index": name, "items": [{"prompt": "A computer", "completion": " is a"}], "influence": True}
+            assert_problem(c.post("/v1/audits", json=audit), 422, "invalid-query", mentions="--influence")

@@ -92,7 +92,7 @@ async def create_audit(body: AuditRequest, services: ServicesDep, principal: Pri
     options = services.bounded(options)
     if options.influence:  # refused now, not item by item in the background, where the index cannot serve it
         try:
-            await services.io(ix.attributor.ekfac)
+            await services.io(ix.attributor.check_influence)
         except QueryError as e:
             raise p.from_query_error(e) from None
     services.check_limits(n_items=("flag_prototypes", len(body.flag_prototypes or [])))
