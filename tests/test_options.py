@@ -43,7 +43,10 @@ def recorded(monkeypatch):
     return seen
 
 
-def test_options_reach_the_engine_over_http(index, tmp_path, recorded):
+def test_options_reach_the_engine_over_http(index, tmp_path, recorded, monkeypatch):
+    # the spy answers without influence: the audit's check that the index can serve it (tested in
+    # tests/service/test_influence_api.py) would refuse this curvature-less index at submission
+    monkeypatch.setattr(Attributor, "check_influence", lambda self: None)
     settings = service_settings(index, tmp_path / "state", max_exact_rerank=1024, max_rerank_tokens=10**6)
     with serving(settings) as live:
         spec = {"prompt": "A computer", "completion": " is a", "target_index": 1}
@@ -54,7 +57,9 @@ def test_options_reach_the_engine_over_http(index, tmp_path, recorded):
         httpx.post(live.url + "/v1/attribute", json={"prompt": "A computer", "top_k": 4}, timeout=60)
         assert recorded[-1][1].n_documents == 4
         # audits: the options are stored with the audit and given to every item
-        job = httpx.post(live.url + "/v1/audits", json={"items": [spec], **CHOSEN}, timeout=60).json()
+        r = httpx.post(live.url + "/v1/audits", json={"items": [spec], **CHOSEN}, timeout=60)
+        assert r.status_code == 202, r.text
+        job = r.json()
         deadline = time.monotonic() + 60
         while httpx.get(f"{live.url}/v1/audits/{job['id']}").json()["status"] != "completed":
             assert time.monotonic() < deadline
