@@ -467,8 +467,7 @@ class Attributor:
         header only (a service checks this when an audit is submitted)."""
         if self._ekfac is not None:
             return
-        path = self.reader.dir / layout.EKFAC
-        fix = f"fit it with `prism index --out {self.reader.dir} --influence`"
+        path, fix = self.reader.dir / layout.EKFAC, self._influence_fix()
         if not path.exists():
             raise QueryError(f"influence: {self.reader.dir} has no influence curvature ({layout.EKFAC}); {fix}")
         try:
@@ -477,6 +476,9 @@ class Attributor:
             raise QueryError(f"influence: {path} cannot be read ({e}); {fix}") from None
         if stamp != self.manifest.identity["checkpoint_sha256"]:
             raise QueryError(f"influence: {path} was fitted for another checkpoint than the index's; {fix} again")
+
+    def _influence_fix(self) -> str:
+        return f"fit it with `prism index --out {self.reader.dir} --influence`"
 
     def ekfac(self) -> EKFAC:
         """The index's influence curvature (``engine/influence.py``), read on first use; QueryError when
@@ -487,8 +489,7 @@ class Attributor:
             try:
                 self._ekfac = EKFAC.load(path)
             except Exception as e:
-                raise QueryError(f"influence: {path} cannot be read ({e}); fit it with "
-                                 f"`prism index --out {self.reader.dir} --influence`") from None
+                raise QueryError(f"influence: {path} cannot be read ({e}); {self._influence_fix()}") from None
         return self._ekfac
 
     def influence(self, q: Query, docs: np.ndarray, damping: float | list[float] | None = None) -> np.ndarray:

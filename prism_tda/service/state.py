@@ -472,11 +472,13 @@ def _audit_results(con: sqlite3.Connection, index_name: str | None, job_id: str 
         if val is not None:
             where.append(f"{col} = ?")
             args.append(val)
-    # a database opened read-only is not migrated: a column an older server did not write reads as null
+    # a database opened read-only is not migrated: a column an older server did not write reads as its
+    # migration's default (results count as trained; no value, no influence)
     have = {r["name"] for r in con.execute("PRAGMA table_info(results)")}
-    value, influence = (f"r.{c}" if c in have else f"NULL AS {c}" for c in ("value", "influence"))
+    late = ", ".join((f"coalesce(r.{c}, {d})" if c in have else d) + f" AS {c}"
+                     for c, d in (("trained", "1"), ("value", "NULL"), ("influence", "NULL")))
     sql = ("SELECT r.job_id, r.item_no, i.item_id, r.rank, r.doc_id, r.score, r.raw_influence, r.seq_id, "
-           f"coalesce(r.trained, 1) AS trained, {value}, {influence}, "
+           f"{late}, "
            "i.target_text, i.flagged_prototypes, i.used_prototypes FROM results r "
            "JOIN items i ON i.job_id = r.job_id AND i.item_no = r.item_no JOIN jobs j ON j.id = r.job_id"
            + (" WHERE " + " AND ".join(where) if where else "") + " ORDER BY r.job_id, r.item_no, r.rank")

@@ -147,13 +147,14 @@ def test_a_state_database_from_before_values_opens_with_them_null(tmp_path):
 
 
 def test_a_state_database_an_older_server_wrote_reads_without_migrating(tmp_path):
-    """``prism sql --state-dir`` opens the database read-only: results from before the value and
-    influence columns read as null there, not as an error."""
+    """``prism sql --state-dir`` opens the database read-only: results from before the trained, value and
+    influence columns read as their migration's defaults there, not as an error."""
     from prism_tda.service.state import read_audit_results
 
     StateDB(tmp_path)
     con = sqlite3.connect(tmp_path / "state.sqlite3")
     con.executescript("ALTER TABLE results DROP COLUMN influence; ALTER TABLE results DROP COLUMN value;"
+                      "ALTER TABLE results DROP COLUMN trained;"
                       "INSERT INTO jobs (id, index_name, status, created_at, updated_at, params, n_items, principal, "
                       "request_hash) VALUES ('j', 'ix', 'completed', 0, 0, '{}', 1, 'p', 'h');"
                       "INSERT INTO items (job_id, item_no, item_id, prompt, flag_prototypes, status) "
@@ -163,3 +164,4 @@ def test_a_state_database_an_older_server_wrote_reads_without_migrating(tmp_path
     table = read_audit_results(tmp_path / "state.sqlite3")
     assert table.column("doc_id").to_pylist() == [7]
     assert table.column("value").to_pylist() == [None] and table.column("influence").to_pylist() == [None]
+    assert table.column("trained").to_pylist() == [True]
