@@ -638,3 +638,35 @@ def test_steering_precise_chooses_the_largest_tuning_drop_within_the_perplexity_
     assert choose([{"config": "e", "contrast_ppl_ratio": 1.0, "precise_drop": -0.1}], 1.01) is None
     assert len(set(FRESH_PROMPTS)) == len(FRESH_PROMPTS) == 50
     assert not set(FRESH_PROMPTS) & (set(PROMPTS) | set(TUNE_PROMPTS))
+
+
+def test_fresh_report_puts_the_served_default_under_the_issues_names(tmp_path):
+    """``lds_prism_fast`` in the report is the split's served answer by value, not its first documents by
+    score; the guards and the other corpora's measures come from their own files; a missing block says so."""
+    import json
+
+    from bench.attribution import fresh_report
+
+    row = lambda x: [x, x - 0.01, x + 0.01]  # noqa: E731
+    block = {"lds_prism_fast": 0.2, "lds_prism_fast_ci": row(0.2), "lds_prism_fast_value": 0.3,
+             "lds_prism_fast_value_ci": row(0.3), "lds_diff_prism_fast_value_ekfac_ci": row(-0.05),
+             "lds_prism_fast_influence": 0.4, "lds_diff_prism_fast_influence_ekfac_ci": row(0.05),
+             "value_returned": 128, "split": {"queries": 3}}
+    for n, m in enumerate(fresh_report.BASELINES):
+        block[f"lds_{m}"], block[f"lds_{m}_ci"] = n / 10, row(n / 10)
+    files = {"att.json": {"s": block}, "rules.json": {"guard": {"canary_recall_at_10_verbatim_served": 1.0,
+                                                                 "canary_recall_at_10_paraphrase_served": 0.9}},
+             "ties.json": {"near_tie_query_share": 0.05}, "mem.json": {"canary_recall_at_10_verbatim_memorised": 1.0,
+                                                                     "candidate_recall_of_exact_top10_memorised": 1.0}}
+    for name, data in files.items():
+        (tmp_path / name).write_text(json.dumps(data))
+    args = ["--results", str(tmp_path / "att.json"), "--value-rules", str(tmp_path / "rules.json"),
+            "--near-ties", str(tmp_path / "ties.json"), "--memorised", str(tmp_path / "mem.json")]
+    fresh_report.main([*args, "--block", "s"])
+    got = json.loads((tmp_path / "att.json").read_text())["fresh_split_report"]
+    assert got["lds_prism_fast"] == 0.3 and got["lds_diff_prism_ekfac_ci"] == row(-0.05)
+    assert got["lds_ekfac"] == 0.0 and got["lds_bm25_ci"] == row(0.3)
+    assert (got["canary_recall_at_10_paraphrase"], got["near_tie_query_share"]) == (0.9, 0.05)
+    assert got["sources"]["guards"] == "rules.json"
+    with pytest.raises(KeyError, match="no block 'other'"):
+        fresh_report.main([*args, "--block", "other"])
