@@ -670,3 +670,37 @@ def test_fresh_report_puts_the_served_default_under_the_issues_names(tmp_path):
     assert got["sources"]["guards"] == "rules.json"
     with pytest.raises(KeyError, match="no block 'other'"):
         fresh_report.main([*args, "--block", "other"])
+
+
+def test_speed_agreement_times_every_setting_against_exact_mode(index, tiny_corpus, tmp_path, monkeypatch):
+    """bench/speed_agreement.py on the tiny index: every setting asks every query against one exact pass;
+    a setting equal to the served one answers as it does, one that scores every token and re-ranks every
+    document exactly returns exact mode's answer, and the attributor's first stages are put back."""
+    import json
+
+    import bench.speed_agreement as sa
+    from prism_tda.engine import Attributor, FirstStages
+
+    short = [("A computer", " is a"), ("Love is", " a"), ("The only way to", " be")]
+    monkeypatch.setattr(sa, "held_out_queries", lambda *a, **k: [{"prompt": p, "completion": c, "id": str(i)}
+                                                                 for i, (p, c) in enumerate(short)])
+    opened: list[Attributor] = []
+
+    def open_(*a, **k) -> Attributor:
+        opened.append(Attributor(*a, **k))
+        return opened[-1]
+
+    monkeypatch.setattr(sa.Attributor, "open", open_)
+    every = [{"exact_rerank": 1024, "adaptive_rerank": False, "exact_tokens": None},
+             {"row_budget": 1 << 22, "token_candidates": 1 << 20, "proto_candidates": 1 << 16}]
+    settings = {"served": [{}, {}], "again": [{}, {}], "every": every,
+                "shallow": [{"exact_rerank": 10}, {"row_budget": 64, "token_candidates": 4}]}
+    res = sa.main(["--index", str(index), "--heldout", str(tiny_corpus), "--prompts", "3", "--repeats", "2",
+                   "--settings", json.dumps(settings), "--out", str(tmp_path / "r.json")])
+    s = res["settings"]
+    assert res["queries"] == 3 and list(s) == list(settings)
+    assert s["again"]["overlap_at_10"] == s["served"]["overlap_at_10"]
+    assert s["every"]["overlap_at_10"] == 1.0 and s["every"]["tie_aware_at_10"] == 1.0
+    assert s["shallow"]["first_stages"]["row_budget"] == 64 and s["shallow"]["query_options"] == {"exact_rerank": 10}
+    assert s["served"]["ms_p50_vs_served"] == 1.0 and all(v["ms_p50"] > 0 for v in s.values())
+    assert opened[0].stages == FirstStages()
