@@ -42,6 +42,7 @@ import torch
 
 from bench._common import finish, served_ranking
 from bench.attribution.near_ties import exact_pass, scores_of
+from bench.attribution.rerank_depth import TIE, ci
 from bench.scale import held_out_queries
 from bench.service_load import prompts_of
 from prism_tda.engine import Attributor, QueryOptions, QuerySpec
@@ -60,9 +61,8 @@ SETTINGS: dict[str, tuple[dict, dict]] = {
 
 
 def interval(v: list[float]) -> list[float]:
-    a = np.asarray(v, dtype=float)
-    boot = a[np.random.default_rng(0).integers(0, len(a), (2000, len(a)))].mean(1)
-    return [round(float(np.percentile(boot, q)), 3) for q in (2.5, 97.5)]
+    """The 95% bootstrap interval of the mean over queries (``rerank_depth.ci``'s 2,000 seeded resamples)."""
+    return ci(np.asarray(v, dtype=float), np.random.default_rng(0))[1:]
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -130,7 +130,7 @@ def main(argv: list[str] | None = None) -> dict:
                     top, s, kth = exact[qi]
                     got = [d.external_id for d in res.documents]
                     strict[name].append(len(set(got) & top) / max(len(top), 1))
-                    tied[name].append(float(np.mean([s[row_of[g]] >= kth - 1e-3 * abs(kth) for g in got])) if got
+                    tied[name].append(float(np.mean([s[row_of[g]] >= kth - TIE * abs(kth) for g in got])) if got
                                       else 0.0)
                     reranked[name].append(res.documents_reranked)
     att.stages = base
