@@ -21,7 +21,7 @@ from tests.conftest import REPO
 if sys.version_info >= (3, 11):
     import tomllib
 else:  # pragma: no cover
-    tomllib = pytest.importorskip("tomli")
+    import tomli as tomllib
 
 COMPOSE = REPO / "docker-compose.yml"
 DOCKERFILES = [REPO / "deploy" / "Dockerfile", REPO / "deploy" / "Dockerfile.gpu"]
@@ -155,6 +155,24 @@ def test_images_install_the_project_as_the_readme_does():
         assert re.search(r"^FROM python:3\.11\.\d+-slim", text, re.M), path
     assert f"python3 -m pip install torch=={TORCH_PIN} && python3 -m pip install -e \".[cpu,dev]\"" in readme
     assert "deploy/README.md" in readme and "## Deployment" in readme
+
+
+def test_ci_installs_as_the_readme_does_into_a_new_environment():
+    """CI runs the README's own install command, in a venv it makes (no system site packages), and the
+    dependency check; the extras the README installs bring every package the tests import."""
+    readme = (REPO / "README.md").read_text()
+    ci = (REPO / ".ci" / "run").read_text()
+    install = re.search(r"^(python3 -m pip install torch==\S+ && python3 -m pip install -e \S+) && prism demo$",
+                        readme, re.M).group(1)
+    assert install.replace("pip install", "pip install --quiet") in ci
+    assert 'python3 -m venv "$venv"' in ci and "system-site-packages" not in ci
+    assert ci.index('source "$venv/bin/activate"') < ci.index("python3 -m pip install")
+    assert "deptry prism_tda bench tests" in ci
+    test_cmd = re.search(r"```bash\n(python3 -m pytest[^\n]*)\n```", readme).group(1)
+    assert test_cmd in ci
+    dev = {Requirement(d).name.lower() for d in tomllib.loads((REPO / "pyproject.toml").read_text())
+           ["project"]["optional-dependencies"]["dev"]}
+    assert {"scipy", "rank-bm25", "ray", "transformers", "datasets", "accelerate", "deptry"} <= dev
 
 
 def test_constraints_pin_every_dependency_within_the_project_s_ranges():
