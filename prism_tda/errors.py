@@ -41,6 +41,7 @@ class Cancelled(PrismError):
 
 
 def check_stop(stop: object | None, what: str = "the work") -> None:
-    """Raise :class:`Cancelled` when ``stop`` (a ``threading.Event``, or None) is set."""
+    """Raise :class:`Cancelled` when ``stop`` (a ``threading.Event``, or None) is set; the message gives
+    the stop's ``reason`` when it has one (default: the client went away)."""
     if stop is not None and stop.is_set():  # type: ignore[attr-defined]
-        raise Cancelled(f"{what} was stopped: its client went away")
+        raise Cancelled(f"{what} was stopped: {getattr(stop, 'reason', None) or 'its client went away'}")

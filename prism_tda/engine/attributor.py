@@ -147,8 +147,8 @@ class Attributor:
         """The curvature at ``damping`` x the index's damping unit (default: the index's)."""
         return self._pre.get(damping)
 
-    def encode(self, spec: QuerySpec) -> Query:
-        return self.encoder.encode(spec)
+    def encode(self, spec: QuerySpec, stop: threading.Event | None = None) -> Query:
+        return self.encoder.encode(spec, stop)
 
     def candidate_sequences(self, q: Query, n_candidates: int = 0, pre: Preconditioner | None = None,
                             nprobe: int | None = None, ctx: CallContext | None = None,
@@ -387,8 +387,9 @@ class Attributor:
 
     def attribute(self, spec: QuerySpec, options: QueryOptions | None = None, *,
                   stop: threading.Event | None = None, progress: bool = False) -> Attribution:
-        """Top training documents for one query. ``stop``: when set, ``mode="exact"`` stops at its next
-        batch (``Cancelled``); ``progress``: a progress bar for ``mode="exact"``."""
+        """Top training documents for one query. ``stop``: when set, the work stops at its next check
+        (``Cancelled``): each generated token, each batch of ``mode="exact"``, and between the stages;
+        ``progress``: a progress bar for ``mode="exact"``."""
         opt = options or QueryOptions()
         if opt.aggregation not in AGGREGATIONS:
             raise QueryError(f"aggregation: must be one of {list(AGGREGATIONS)}, got {opt.aggregation!r}")
@@ -396,7 +397,8 @@ class Attributor:
             raise QueryError(f"mode: must be 'fast' or 'exact', got {opt.mode!r}")
         pre = self.preconditioner(opt.damping)
         t0 = time.perf_counter()
-        q = self.encode(spec)
+        q = self.encode(spec, stop)
+        check_stop(stop, "the attribution")
         t1 = time.perf_counter()
         ctx = CallContext(partial=opt.allow_partial)
         sign = -1.0 if opt.opponents else 1.0
@@ -413,6 +415,7 @@ class Attributor:
         else:
             scores, n_scored, ranked, (ties, unsettled), n_exact, values = self._exhaustive(q, opt, pre, stop,
                                                                                             progress)
+        check_stop(stop, "the attribution")
         t3 = time.perf_counter()
         docs = [scored_document(self.reader, self.tokenizer, scores, best, score, rank, opponents=opt.opponents)
                 for rank, (best, score) in enumerate(ranked, 1)]
@@ -421,6 +424,7 @@ class Attributor:
         docs = [dataclasses.replace(d, value=float(v)) for d, v in zip(docs, values, strict=True)]
         t_inf = time.perf_counter()
         if opt.influence:
+            check_stop(stop, "the attribution")
             values = self.influence(q, np.array([d.doc_id for d in docs], np.int64))
             for d, v in zip(docs, values, strict=True):
                 d.influence = float(v)

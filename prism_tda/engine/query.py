@@ -12,6 +12,7 @@ the residual's.
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass
 
 import numpy as np
@@ -128,13 +129,15 @@ class QueryEncoder:
                                      f"context is {ctx} (at most {ctx + 1 - n} new tokens for this prompt)")
         return tokens
 
-    def encode(self, spec: QuerySpec) -> Query:
+    def encode(self, spec: QuerySpec, stop: threading.Event | None = None) -> Query:
+        """The query's tokens, target and prototype-space gradient; ``stop``: checked as a generated
+        target is written (``Cancelled``)."""
         tok = self.check(spec)
         p_ids = tok.prompt
         if tok.completion is not None:
             c_ids = tok.completion
         elif spec.max_new_tokens:
-            c_ids = generate(self.model, self.tokenizer, p_ids, spec.max_new_tokens).token_ids
+            c_ids = generate(self.model, self.tokenizer, p_ids, spec.max_new_tokens, stop=stop).token_ids
         else:
             c_ids = []
         ids = p_ids + c_ids

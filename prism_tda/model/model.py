@@ -17,6 +17,7 @@ through sparse products (``model/sparse.py``): O(N k d) instead of O(N K d).
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -505,14 +506,19 @@ class PRISM(nn.Module):
         reroute: bool = False,
         gate: float | None = None,
         gate_window: int = 16,
+        on_step: Callable[[int], None] | None = None,
     ) -> torch.Tensor:
         """Greedy (temperature 0) or sampled continuation of idx (1, T); returns (1, T + n).
+
+        ``on_step(i)``: called before the i-th new token (a caller's stop check raises from it).
 
         ``sample_top_k``: sample from the most likely tokens only; ``suppress``, ``alpha``: prototype ids
         whose activations are scaled by alpha (0: they contribute nothing to the logits; see :meth:`forward`);
         ``gate``, ``gate_window``: only where the context carries them (:meth:`suppression_gate`).
         """
-        for _ in range(max_new_tokens):
+        for step in range(max_new_tokens):
+            if on_step is not None:
+                on_step(step)
             ctx = idx[:, -self.cfg.block_size :]
             logits = self(ctx, last_only=True, suppress=suppress, alpha=alpha, project=project, reroute=reroute,
                           gate=gate, gate_window=gate_window).logits[:, -1, :].float()  # (1, V)

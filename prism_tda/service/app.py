@@ -20,10 +20,11 @@ from prism_tda import __version__
 from prism_tda.logs import setup_logging
 
 from . import lifecycle, problems
+from .connections import http_protocol
 from .deps import Services, ThreadShare, get_admin, get_principal
 from .indexes import Registry
 from .metrics import Metrics
-from .middleware import BodyLimit, RequestContext, RequestOrigin
+from .middleware import BodyLimit, RequestContext, RequestOrigin, SecurityHeaders
 from .routers import admin, attribute, audits, documents, generate, health, prototypes, sql, ui
 from .security import Guard
 from .settings import Settings
@@ -70,7 +71,8 @@ def _load(settings: Settings, metrics: Metrics) -> Services:
             ix.check_prototypes(ids, f"PRISM_PROTOTYPE_SETS[{name!r}]")
             state.put_set(ix.name, SHARED, name, ids, "from the server's settings")
     worker = AuditWorker(state, registry, metrics, settings.audit_poll_s, max_attempts=settings.audit_max_attempts,
-                         retention_s=settings.audit_retention_days * 86400)
+                         retention_s=settings.audit_retention_days * 86400, slice_s=settings.work_slice_s,
+                         item_max_s=settings.audit_item_max_s, threads=compute_threads(settings))
     return Services(settings=settings, registry=registry, state=state, worker=worker, metrics=metrics,
                     threads=ThreadShare(process_cores(settings), settings.torch_threads),
                     guard=Guard(settings))
@@ -85,11 +87,10 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         settings.check_serving()
         services = await anyio.to_thread.run_sync(_load, settings, metrics)
-        services.limiters = {n: anyio.CapacityLimiter(settings.compute_concurrency)
-                             for n in services.registry.indexes}
-        # SQL waits (each blocks a thread until a SQL worker answers) have their threads apart from the
-        # state database's, so a burst of slow statements never stalls readiness, audits or sets
-        services.sql_limiter = anyio.CapacityLimiter(settings.sql_workers * max(1, len(services.registry.indexes)))
+        # computations and SQL waits are admitted per index by key in turns (service/fairness.py); the state
+        # database's reads have threads of their own, so a burst of slow statements never stalls readiness,
+        # audits or sets
+        services.admit(list(services.registry.indexes))
         services.io_limiter = anyio.CapacityLimiter(16)
         services.worker.start()
         app.state.services = services
@@ -119,13 +120,14 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.include_router(ui.router)
     app.mount("/static", ui.static_files(), name="static")
     app.mount(ui.DOCS_ASSETS_URL, ui.docs_assets(), name="docs-assets")
-    app.add_middleware(BodyLimit, max_bytes=settings.max_body_bytes)
+    app.add_middleware(BodyLimit, max_bytes=settings.max_body_bytes, timeout_s=settings.body_timeout_s)
     app.add_middleware(RequestOrigin, keyless=not settings.api_keys, allowed_hosts=settings.allowed_hosts,
                        cors_origins=settings.cors_origins)
     if settings.cors_origins:
         app.add_middleware(CORSMiddleware, allow_origins=settings.cors_origins, allow_methods=["*"],
                            allow_headers=["*"], expose_headers=["X-Request-ID", "Location", "Retry-After"])
     app.add_middleware(RequestContext, metrics=metrics)
+    app.add_middleware(SecurityHeaders)  # outermost: every answer of the app carries its headers
     app.openapi = lambda: _openapi(app)  # type: ignore[method-assign]
     return app
 
@@ -144,11 +146,15 @@ def _openapi(app: FastAPI) -> dict[str, Any]:
 
 def server_options(settings: Settings) -> dict[str, Any]:
     """uvicorn's options for these settings. Proxy headers are read only from ``forwarded_allow_ips``
-    (uvicorn's own default would trust any local peer's ``X-Forwarded-For``)."""
+    (uvicorn's own default would trust any local peer's ``X-Forwarded-For``). Connections are bounded:
+    the h11 protocol with a header time limit (``connections.py``; the body's is ``BodyLimit``'s), the
+    keep-alive idle time, and the connections answered at once."""
     trusted = ",".join(settings.forwarded_allow_ips)
     return {"host": settings.host, "port": settings.port, "log_config": None, "access_log": False,
             "timeout_graceful_shutdown": settings.graceful_shutdown_s, "proxy_headers": bool(trusted),
             "forwarded_allow_ips": trusted or None,
+            "http": http_protocol(settings.header_timeout_s), "timeout_keep_alive": settings.idle_timeout_s,
+            "limit_concurrency": settings.max_connections,
             # the longest request line the API's own parameters make (16,000 characters of `ids`, each up
             # to 12 bytes percent-encoded); past it the HTTP parser answers a bare 400
             "h11_max_incomplete_event_size": 256 * 1024}

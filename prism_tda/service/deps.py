@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import threading
-from collections.abc import Callable
+from collections import Counter
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Annotated, Any, TypeVar
 
@@ -17,6 +19,7 @@ from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from prism_tda.engine import QueryOptions
 
 from . import problems
+from .fairness import Busy, FairLimiter
 from .indexes import LoadedIndex, Registry
 from .metrics import Metrics
 from .security import Guard, Principal
@@ -61,21 +64,64 @@ class Services:
     worker: AuditWorker
     metrics: Metrics
     guard: Guard
-    limiters: dict[str, anyio.CapacityLimiter] = field(default_factory=dict)
-    sql_limiter: anyio.CapacityLimiter = field(default_factory=lambda: anyio.CapacityLimiter(2))
-    io_limiter: anyio.CapacityLimiter = field(default_factory=lambda: anyio.CapacityLimiter(16))
+    # per index: its model computations and its SQL statements, admitted by key in turns (service/fairness.py)
+    limiters: dict[str, FairLimiter] = field(default_factory=dict)
+    sql_limiters: dict[str, FairLimiter] = field(default_factory=dict)
     threads: ThreadShare = field(default_factory=lambda: ThreadShare(1))
+    io_limiter: anyio.CapacityLimiter = field(default_factory=lambda: anyio.CapacityLimiter(16))
+    heavy: Counter[str] = field(default_factory=Counter)  # heavy requests in flight, per key
 
-    async def run(self, ix: LoadedIndex, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
-        """Run CPU-bound work in a worker thread, at most ``compute_concurrency`` at once per index, with
+    def admit(self, ix_names: list[str]) -> None:
+        """The fair limiters of these indexes (at start-up and when an index is added)."""
+        s = self.settings
+        for name in ix_names:
+            self.limiters.setdefault(name, FairLimiter(s.compute_concurrency, per_key=s.compute_concurrency,
+                                                       max_waiting=s.max_waiting_per_key))
+            self.sql_limiters.setdefault(name, FairLimiter(s.sql_workers, per_key=s.sql_max_per_key,
+                                                           max_waiting=s.max_waiting_per_key,
+                                                           what="SQL statements"))
+
+    @staticmethod
+    def _busy(e: Busy) -> problems.ServiceError:
+        return problems.KeyBusy(e.detail, headers={"Retry-After": str(e.retry_after_s)})
+
+    async def run(self, ix: LoadedIndex, who: Principal, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+        """Run CPU-bound work in a worker thread, at most ``compute_concurrency`` at once per index, admitted
+        by key in turns (:class:`FairLimiter`: a key over its share is refused with 429 ``key-busy``), with
         its share of the cores (:class:`ThreadShare`)."""
-        work = functools.partial(self.threads.run, functools.partial(fn, *args, **kwargs))
-        return await anyio.to_thread.run_sync(work, limiter=self.limiters[ix.name])
+        limiter = self.limiters[ix.name]
+        try:
+            await limiter.acquire(who.id, bounded=not who.admin)
+        except Busy as e:
+            raise self._busy(e) from None
+        try:
+            work = functools.partial(self.threads.run, functools.partial(fn, *args, **kwargs))
+            return await anyio.to_thread.run_sync(work)
+        finally:
+            limiter.release(who.id)
 
-    async def run_cancellable(self, request: Request, ix: LoadedIndex, fn: Callable[..., T], *args: Any,
-                              **kwargs: Any) -> T:
-        """:meth:`run` for long work that takes a ``stop`` event: set when the client disconnects, so the
-        work stops at its next check (the engine raises ``Cancelled``, answered 499)."""
+    @contextlib.contextmanager
+    def heavy_request(self, who: Principal) -> Iterator[None]:
+        """Count a heavy request (generation, the ``influence`` option, exact mode) of ``who`` while it runs:
+        a key already running ``max_heavy_per_key`` of them is refused (429 ``key-busy``); admin keys and
+        keyless loopback use are not limited."""
+        limit = self.settings.max_heavy_per_key
+        if not who.admin and self.heavy[who.id] >= limit:
+            raise problems.KeyBusy(f"this key already runs {self.heavy[who.id]} heavy requests (generation, the "
+                                   f"influence option or exact mode; at most {limit} at once per key); wait for "
+                                   "one to finish", headers={"Retry-After": "2"})
+        self.heavy[who.id] += 1
+        try:
+            yield
+        finally:
+            self.heavy[who.id] -= 1
+            if self.heavy[who.id] <= 0:
+                del self.heavy[who.id]
+
+    async def run_cancellable(self, request: Request, ix: LoadedIndex, who: Principal, fn: Callable[..., T],
+                              *args: Any, **kwargs: Any) -> T:
+        """:meth:`run` for work that takes a ``stop`` event: set when the client disconnects, so the work
+        stops at its next check (the engine raises ``Cancelled``, answered 499)."""
         stop = threading.Event()
 
         async def watch() -> None:
@@ -89,7 +135,7 @@ class Services:
         async with anyio.create_task_group() as tg:
             tg.start_soon(watch)
             try:
-                result = await self.run(ix, fn, *args, stop=stop, **kwargs)
+                result = await self.run(ix, who, fn, *args, stop=stop, **kwargs)
             except Exception as e:  # raised after the group, as itself (not wrapped in an exception group)
                 failed = e
             finally:
@@ -103,19 +149,22 @@ class Services:
         """Run blocking I/O (the state database) in a worker thread of its own pool."""
         return await anyio.to_thread.run_sync(functools.partial(fn, *args, **kwargs), limiter=self.io_limiter)
 
-    async def sql(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
-        """Run a SQL statement's wait in a thread of the SQL pool (at most as many as SQL workers; more
-        wait here, without holding a thread, up to ``sql_queue_timeout_s``)."""
+    async def sql(self, ix: LoadedIndex, who: Principal, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+        """Run a SQL statement's wait in a thread, at most ``sql_workers`` at once per index, admitted by key
+        in turns with at most ``sql_max_per_key`` of one key's at once (more wait, without holding a thread,
+        up to ``sql_queue_timeout_s``; past ``max_waiting_per_key`` waiting they are refused at once)."""
+        limiter = self.sql_limiters[ix.name]
+        wait_s = self.settings.sql_queue_timeout_s
         try:
-            with anyio.fail_after(self.settings.sql_queue_timeout_s):
-                await self.sql_limiter.acquire()
+            await limiter.acquire(who.id, wait_s, bounded=not who.admin)
+        except Busy as e:
+            raise self._busy(e) from None
         except TimeoutError:
-            raise problems.SqlBusy(f"every SQL worker stayed busy for {self.settings.sql_queue_timeout_s:g} s; "
-                                   "try again later") from None
+            raise problems.SqlBusy(f"every SQL worker stayed busy for {wait_s:g} s; try again later") from None
         try:
             return await anyio.to_thread.run_sync(functools.partial(fn, *args, **kwargs))
         finally:
-            self.sql_limiter.release()
+            limiter.release(who.id)
 
     async def check_active(self, principal: Principal, count: Callable[[str], int], limit: int,
                            refusal: type[problems.ServiceError], what: str, retry_after_s: int) -> None:

@@ -93,11 +93,16 @@ class LoadedIndex:
     def attribute(self, spec: QuerySpec, options: QueryOptions, stop: threading.Event | None = None) -> Attribution:
         return self.attributor.attribute(spec, options, stop=stop)
 
-    def check_exact_time(self, limit_s: float) -> None:
-        """Refuse ``mode: exact`` for one request when its estimate is over ``limit_s`` seconds, with the
-        estimate and the way to run it anyway (an audit, in the background)."""
+    def check_exact_time(self, limit_s: float, *, audit: bool = False) -> None:
+        """Refuse ``mode: exact`` for one request (``audit``: for each item of an audit) when its estimate is
+        over ``limit_s`` seconds, with the estimate and the way to run it anyway (an audit, in the background)."""
         self.attributor.check_exact()
         est = self.attributor.exact_estimate()
+        if est.seconds > limit_s and audit:
+            raise problems.InvalidQuery(
+                f"mode: 'exact' recomputes all {est.tokens:,} training tokens of index {self.name!r}, about "
+                f"{est.seconds:,.0f} s an item at this server's measured {est.tokens_per_s:,.0f} tokens/s: over its "
+                f"limit of {limit_s:g} s for one audit item (audit_item_max_s). Use mode 'fast'")
         if est.seconds > limit_s:
             raise problems.InvalidQuery(
                 f"mode: 'exact' recomputes all {est.tokens:,} training tokens of index {self.name!r}, about "
@@ -107,13 +112,13 @@ class LoadedIndex:
 
     def generate(self, prompt: str, *, max_new_tokens: int, temperature: float, sample_top_k: int | None,
                  seed: int, scale: dict[int, float], gate: float | None = None,
-                 gate_window: int = 16) -> tuple[Generation, int]:
+                 gate_window: int = 16, stop: threading.Event | None = None) -> tuple[Generation, int]:
         """A continuation of ``prompt`` and the prompt's length in tokens; ``scale``: prototype id -> the
         factor its activations are multiplied by (with ``gate``, only where the context carries them)."""
         tokens = self.attributor.encoder.check(QuerySpec(prompt))
         gen = generate(self.attributor.model, self.attributor.tokenizer, tokens.prompt, max_new_tokens,
                        temperature=temperature, sample_top_k=sample_top_k, seed=seed, suppress=scale, gate=gate,
-                       gate_window=gate_window)
+                       gate_window=gate_window, stop=stop)
         return gen, len(tokens.prompt)
 
     def discover(self, **kw: Any) -> dict[str, Any]:

@@ -1,5 +1,6 @@
-"""ASGI middleware: request ids, access logs and metrics; the request body size limit; where
-requests may come from (loopback only without keys, no state change from another web origin)."""
+"""ASGI middleware: request ids, access logs and metrics; the request body's size and time limits;
+where requests may come from (loopback only without keys, no state change from another web origin);
+the security headers of every response."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import re
 import time
 import uuid
 
+import anyio
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from . import problems
@@ -75,10 +77,13 @@ class RequestContext:
 
 
 class BodyLimit:
-    """Refuses bodies over ``max_bytes`` with 413: by Content-Length, or by reading a chunked body first."""
+    """Reads each request's body before the app does, then replays it: a body over ``max_bytes`` is
+    refused with 413 (by Content-Length, or counted while reading a chunked one), and a body not
+    complete ``timeout_s`` after the request's headers arrived with 408, closing the connection (a
+    client sending a body slowly holds nothing longer than that)."""
 
-    def __init__(self, app: ASGIApp, max_bytes: int) -> None:
-        self.app, self.max_bytes = app, max_bytes
+    def __init__(self, app: ASGIApp, max_bytes: int, timeout_s: float = 30.0) -> None:
+        self.app, self.max_bytes, self.timeout_s = app, max_bytes, timeout_s
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -86,31 +91,87 @@ class BodyLimit:
             return
         too_big = problems.BodyTooLarge(f"the body exceeds the limit of {self.max_bytes} bytes")
         length = dict(scope["headers"]).get(b"content-length")
-        if length is not None and length.isdigit():
-            if int(length) > self.max_bytes:
-                await problems.error_response(too_big, None)(scope, receive, send)
-                return
-            await self.app(scope, receive, send)  # the server holds the body to its Content-Length
+        if length is not None and length.isdigit() and int(length) > self.max_bytes:
+            await problems.error_response(too_big, None)(scope, receive, send)
             return
-        # no (valid) Content-Length: read the body here, up to the limit, then replay it
         messages: list[Message] = []
-        seen = 0
-        while True:
-            message = await receive()
-            messages.append(message)
-            if message["type"] != "http.request":
-                break
-            seen += len(message.get("body", b""))
-            if seen > self.max_bytes:
-                await problems.error_response(too_big, None)(scope, receive, send)
-                return
-            if not message.get("more_body", False):
-                break
+        refusal: problems.ServiceError | None = None
+        with anyio.move_on_after(self.timeout_s) as waiting:
+            seen = 0
+            while True:
+                message = await receive()
+                messages.append(message)
+                if message["type"] != "http.request":
+                    break
+                seen += len(message.get("body", b""))
+                if seen > self.max_bytes:  # a chunked body (the server holds others to their Content-Length)
+                    refusal = too_big
+                    break
+                if not message.get("more_body", False):
+                    break
+        if waiting.cancelled_caught:
+            refusal = problems.RequestTimeout(f"the body did not arrive within {self.timeout_s:g} s of the "
+                                              "request's headers", headers={"Connection": "close"})
+        if refusal is not None:
+            await problems.error_response(refusal, None)(scope, receive, send)
+            return
 
         async def replay() -> Message:
             return messages.pop(0) if messages else await receive()
 
         await self.app(scope, replay, send)
+
+
+# on every response: no MIME sniffing, no Referer to other sites, no framing
+_SECURITY_HEADERS = ((b"x-content-type-options", b"nosniff"), (b"referrer-policy", b"no-referrer"),
+                     (b"x-frame-options", b"DENY"))
+_CSP = b"content-security-policy"
+_NO_FRAMING = b"frame-ancestors 'none'"
+
+
+def secure_headers(headers: list[tuple[bytes, bytes]]) -> list[tuple[bytes, bytes]]:
+    """``headers`` with the security headers a response lacks; a Content-Security-Policy of its own gets
+    ``frame-ancestors 'none'`` appended unless it already names its frame ancestors."""
+    out, names = [], set()
+    for name, value in headers:
+        name = name.lower()
+        if name == _CSP and b"frame-ancestors" not in value.lower():
+            value = value.rstrip(b"; ") + b"; " + _NO_FRAMING
+        out.append((name, value))
+        names.add(name)
+    out += [(name, value) for name, value in _SECURITY_HEADERS if name not in names]
+    if _CSP not in names:
+        out.append((_CSP, _NO_FRAMING))
+    return out
+
+
+class SecurityHeaders:
+    """Security headers on every response (API, problems, the page, ``/docs``, static files).
+
+    - ``X-Content-Type-Options: nosniff``: a browser takes a body for its declared type only.
+    - ``Referrer-Policy: no-referrer``: the page's fetches are same-origin and need no Referer, and a
+      link it follows (a document's ``url``) tells the other site neither this server's address nor
+      the page's route and query (``strict-origin-when-cross-origin`` would still send the origin).
+    - no framing, against clickjacking: ``X-Frame-Options: DENY`` for older browsers, and CSP
+      ``frame-ancestors 'none'``, appended to the response's own policy (the page's) when it lacks it.
+
+    A header a response sets itself is kept.
+    """
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+
+        async def send_secured(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                message["headers"] = secure_headers([(bytes(k), bytes(v)) for k, v in message.get("headers", [])])
+            await send(message)
+
+        await self.app(scope, receive, send_secured)
 
 
 def _host_name(host: str) -> str:

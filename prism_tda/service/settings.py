@@ -99,7 +99,18 @@ class Settings(BaseSettings):
         description="Without API keys, Host names answered besides localhost, 127.0.0.1 and [::1] (JSON list); "
                     "any other Host is refused (DNS rebinding). Ignored when API keys are set.")
     compute_concurrency: int = Field(2, ge=1, description="Model/attribution computations that run at once "
-                                                          "per index; more requests wait their turn.")
+                                                          "per index; more requests wait their turn, which "
+                                                          "comes to each API key in rotation.")
+    max_waiting_per_key: int = Field(
+        8, ge=0, description="Requests one API key may have waiting for a computation (or a SQL worker) of one "
+                             "index beyond those running; more are refused at once with 429 `key-busy` and "
+                             "`Retry-After`, so one key's burst never queues in front of another key (admin keys "
+                             "and keyless loopback use are not limited).")
+    max_heavy_per_key: int = Field(
+        1, ge=1, description="Heavy requests one API key may run at once: generation (`/v1/generate`, a query "
+                             "with `max_new_tokens`), the `influence` option, `mode: exact` and discovery; more "
+                             "are refused with 429 `key-busy` (admin keys and keyless loopback use are not "
+                             "limited).")
     torch_threads: int | None = Field(
         None, ge=1, description="torch intra-op threads of each computation (the compiled scoring uses as many). "
                                 "Default: each computation takes this process's cores (the machine's over `workers`) "
@@ -127,6 +138,11 @@ class Settings(BaseSettings):
                                                                       "larger one is refused (`sql-result-too-large`).")
     sql_queue_timeout_s: float = Field(30.0, gt=0, description="How long a SQL statement may wait for a free worker "
                                                               "before it is refused (`sql-busy`).")
+    sql_max_per_key: int = Field(
+        1, ge=1, description="SQL statements of one API key that run at once per index (capped at `sql_workers`); "
+                             "more wait their turn, which comes to each key in rotation, so another key's "
+                             "statement gets the next free worker (admin keys and keyless loopback use may use "
+                             "every worker).")
     audit_poll_s: float = Field(1.0, gt=0, description="How often an idle audit worker looks for new work.")
     max_active_audits_per_key: int = Field(
         16, ge=1, description="Queued or running audits one API key may have at once (admin keys and keyless "
@@ -138,6 +154,15 @@ class Settings(BaseSettings):
     audit_max_attempts: int = Field(
         3, ge=1, description="Times an audit item is started before it is marked failed (an item that keeps "
                              "failing unexpectedly, or crashing the server, never blocks the queue).")
+    work_slice_s: float = Field(
+        1.0, gt=0, description="Background work (audit items and discovery tasks) runs in slices of this many "
+                               "seconds: after each, the worker gives the next API key with work its turn (the "
+                               "unit it put down waits, in memory, for its key's next turn), so one key's long "
+                               "task or item delays another key's next item by about one slice.")
+    audit_item_max_s: float = Field(
+        300.0, gt=0, description="Most compute time one audit item may take (its slices together): past it the "
+                                 "item is stopped and failed. An audit whose `mode: exact` estimate (as for one "
+                                 "request, `exact_max_seconds`) is over it is refused at submission (422).")
     audit_retention_days: float = Field(
         30.0, ge=0, description="Finished (completed or cancelled) audits are deleted, with their items and "
                                 "results, this many days after they finished; 0 keeps them for ever.")
@@ -170,6 +195,21 @@ class Settings(BaseSettings):
     ray_call_timeout_s: float = Field(30.0, gt=0, description="Longest wait for one shard actor's answer, a "
                                                               "restart included; past it (and one retry) the "
                                                               "request answers 503 `shard-unavailable`.")
+    header_timeout_s: float = Field(
+        10.0, gt=0, description="Time a connection has to send a request's headers, from its opening or, on a "
+                                "kept-alive connection, from the end of the previous response; past it the "
+                                "connection is closed without an answer.")
+    body_timeout_s: float = Field(
+        30.0, gt=0, description="Time a request has to send its whole body once its headers are in; past it the "
+                                "request answers 408 `request-timeout` and its connection is closed.")
+    idle_timeout_s: float = Field(
+        5.0, gt=0, description="Time a kept-alive connection may stay idle between requests before it is "
+                               "closed.")
+    max_connections: int = Field(
+        512, ge=1, description="Connections one server process answers at once: a request that arrives while "
+                               "this many connections are open (its own, idle and slow ones included) or this "
+                               "many requests are running is answered a bare 503 and its connection closed. Per "
+                               "server process (`workers`).")
     log_level: str = Field("info", description="Log level: debug, info, warning or error.")
     log_format: str = Field("json", description="Log format: json (one object per line) or text.")
 

@@ -7,7 +7,9 @@ watches and kills when a statement overruns (``service/sqlpool.py``).
 The lock-down: the index's tables are views over exactly the files the index lists; DuckDB may
 read those files and nothing else (``allowed_paths``, ``enable_external_access = false``), loads
 no extension, never spills to disk, cannot see Python variables, and its configuration is locked
-before any user SQL runs. A statement must parse into exactly one SELECT-like statement.
+before any user SQL runs. A statement must parse into exactly one SELECT-like statement that reads
+no setting and runs no SQL given as a string. What a statement answers (its rows, or its error)
+names the server's directories only as ``<index>``, ``<state>`` and ``<home>``.
 
 Worker protocol (stdin/stdout, each message a 4-byte big-endian length and a payload): the worker
 first sends ``{"ready": true, "pid": ..}``; then for each request ``{"sql": .., "audit": ..}`` it
@@ -21,6 +23,8 @@ from __future__ import annotations
 import decimal
 import json
 import math
+import os
+import re
 import struct
 import sys
 import threading
@@ -151,7 +155,93 @@ def check_statement(sql: str) -> str:
     st = stmts[0]
     if st.type != duckdb.StatementType.SELECT:
         raise SqlRefusal("sql-forbidden", f"only SELECT queries are allowed, not {st.type.name}")
+    for name, literal in _calls(st.query):
+        if name in FORBIDDEN_CALLS:
+            raise SqlRefusal("sql-forbidden", f"{name}() is not allowed: it {FORBIDDEN_CALLS[name]}")
+        if name == "current_setting" and (literal or "").lower() not in READABLE_SETTINGS:
+            raise SqlRefusal("sql-forbidden", "current_setting() may read only these settings, each named by a "
+                                              f"string literal: {', '.join(sorted(READABLE_SETTINGS))}")
     return st.query
+
+
+# functions a statement may not call: SQL given as a string is never seen by this check, and the
+# settings may name files and directories (`allowed_paths` lists the index's files by absolute path,
+# `secret_directory` lies in the home directory), so only the lock-down's own are readable
+FORBIDDEN_CALLS = {
+    "duckdb_settings": "reads the engine's settings (current_setting() reads the lock-down's own)",
+    "duckdb_profiling_settings": "reads the engine's settings (current_setting() reads the lock-down's own)",
+    "query": "runs SQL given as a string; write the statement itself",
+    "json_execute_serialized_sql": "runs SQL given as a string; write the statement itself",
+}
+READABLE_SETTINGS = frozenset({"enable_external_access", "lock_configuration", "autoinstall_known_extensions",
+                               "autoload_known_extensions", "python_enable_replacements", "memory_limit",
+                               "threads"})
+_NAMES = (duckdb.token_type.identifier, duckdb.token_type.keyword)
+
+
+def _calls(sql: str) -> Iterator[tuple[str, str | None]]:
+    """The functions ``sql`` calls: (name, lower case and unquoted; its argument when that is one string
+    literal, else None), for each name token followed by ``(``, comments skipped. Names inside string
+    literals and comments are not calls."""
+    data = sql.encode()  # the tokens' offsets count UTF-8 bytes
+    tokens = duckdb.tokenize(sql)
+    ends = [start for start, _ in tokens[1:]] + [len(data)]
+    spans = [(data[start:end].decode(errors="replace").strip(), kind) for (start, kind), end in zip(tokens, ends)
+             if kind != duckdb.token_type.comment]
+    spans += [("", duckdb.token_type.operator)] * 3  # so that every call has three tokens after its name
+    for i, (text, kind) in enumerate(spans[:-3]):
+        if kind in _NAMES and spans[i + 1][0].startswith("("):
+            arg, after = spans[i + 2], spans[i + 3][0]
+            one_literal = (arg[1] == duckdb.token_type.string_const and arg[0].startswith("'")
+                           and after.startswith(")"))
+            yield ((text[1:-1].replace('""', '"') if text.startswith('"') else text).lower(),
+                   arg[0][1:-1].replace("''", "'") if one_literal else None)
+
+
+class Redactor:
+    """Replaces the server's directories in what a statement answers by a label: DuckDB names files by
+    absolute path in its errors (``Cannot access file "/srv/...``) and in its catalog (a view's SQL in
+    ``duckdb_views()`` reads ``read_parquet('/srv/.../documents.parquet')``). The home directory is
+    replaced in error details only: in rows, a short path such as ``/root`` would match document text."""
+
+    def __init__(self, dirs: dict[str, Path | None]) -> None:
+        """``dirs``: label -> directory (``{"index": ..., "state": ...}``); the home directory is added."""
+        try:
+            home: Path | None = Path.home()
+        except RuntimeError:  # no HOME and no user entry
+            home = None
+        self.text = self._pattern({**dirs, "home": home}, lambda path: path)
+        self.rows = self._pattern(dirs, lambda path: json.dumps(path, ensure_ascii=False)[1:-1])
+
+    @staticmethod
+    def _pattern(dirs: dict[str, Path | None], form: Callable[[str], str]) -> dict[str, str]:
+        out: dict[str, str] = {}
+        for label, d in dirs.items():
+            if d is None:
+                continue
+            for path in {os.path.abspath(d), os.path.realpath(d)}:  # as given, and with links resolved
+                if len(path) > 1:
+                    out.setdefault(form(path), f"<{label}>")
+        return out
+
+    @staticmethod
+    def _sub(text: str, labels: dict[str, str]) -> str:
+        present = [p for p in labels if p in text]
+        if not present:
+            return text
+        # longest first (the index may lie in the home directory); a path, not the start of a longer name
+        pattern = "|".join(re.escape(p) for p in sorted(present, key=len, reverse=True))
+        return re.sub(f"(?:{pattern})(?![\\w.-])", lambda m: labels[m.group(0)], text)
+
+    def detail(self, text: str) -> str:
+        """An error detail without the server's directories."""
+        return self._sub(text, self.text)
+
+    def result(self, rows: bytes) -> bytes:
+        """Rows (one JSON array) without the index's and the state's directories."""
+        if not any(p.encode() in rows for p in self.rows):
+            return rows
+        return self._sub(rows.decode(), self.rows).encode()
 
 
 def jsonable(v: Any) -> Any:
@@ -179,11 +269,13 @@ class Engine:
     """Runs user statements on a locked connection, bounded in time, rows and result bytes."""
 
     def __init__(self, con: duckdb.DuckDBPyConnection, *, timeout_s: float, max_rows: int,
-                 max_result_bytes: int, index_dir: Path | None = None) -> None:
+                 max_result_bytes: int, index_dir: Path | None = None, state_dir: Path | None = None) -> None:
         """``index_dir``: read its takedown record again whenever it changes (the documents taken down
-        leave every view at the next statement)."""
+        leave every view at the next statement). ``index_dir``, ``state_dir`` and the home directory
+        never appear in an answer (:class:`Redactor`)."""
         self.con, self.timeout_s, self.max_rows, self.max_result_bytes = con, timeout_s, max_rows, max_result_bytes
         self.index_dir = index_dir
+        self.redact = Redactor({"index": index_dir, "state": state_dir})
         self._takedown: Any = None  # engine.takedown.RemovedSet of index_dir, made at the first statement
         self._takedown_sig: object = "unread"
 
@@ -212,6 +304,15 @@ class Engine:
         """(header, rows as one JSON array) for one statement; raises :class:`SqlRefusal`. The state's
         tables (``audit_results``, ``prototype_sets``) are read when the statement names them;
         ``params``: the values of the statement's ``$1``, ``$2``, ... (never spliced into its text)."""
+        try:
+            header, rows = self._run(sql, audit_results, prototype_sets, params)
+        except SqlRefusal as e:
+            raise SqlRefusal(e.kind, self.redact.detail(e.detail)) from None
+        return header, self.redact.result(rows)
+
+    def _run(self, sql: str, audit_results: Callable[[], pa.Table] | None,
+             prototype_sets: Callable[[], pa.Table] | None,
+             params: list[Any] | None) -> tuple[dict[str, Any], bytes]:
         query = check_statement(sql)
         self._refresh_removed()
         t0 = time.perf_counter()
@@ -308,7 +409,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"SQL worker: {e}", file=sys.stderr)
         return 2
     engine = Engine(con, timeout_s=cfg["timeout_s"], max_rows=cfg["max_rows"],
-                    max_result_bytes=cfg["max_result_bytes"], index_dir=Path(cfg["index_dir"]))
+                    max_result_bytes=cfg["max_result_bytes"], index_dir=Path(cfg["index_dir"]),
+                    state_dir=Path(cfg["state_path"]).parent if cfg.get("state_path") else None)
     out, inp = sys.stdout.buffer, sys.stdin.buffer
     write_frame(out, json.dumps({"ready": True}).encode())
     for frame in read_frames(inp):

@@ -201,8 +201,33 @@ class StateDB:
             return int(con.execute("SELECT count(*) FROM jobs WHERE principal = ? AND status IN ('queued', 'running')",
                                    (principal,)).fetchone()[0])
 
-    def next_item(self, index_names: list[str], max_attempts: int | None = None) -> dict[str, Any] | None:
-        """The next pending item of an active job on one of ``index_names``; counts the attempt.
+    # ------------------------------------------------------------------------ turns
+    def next_key(self, index_names: list[str], *, exclude: str | None = None) -> str | None:
+        """The key whose turn it is among those with background work on one of ``index_names`` (a pending
+        item of an active audit, or a queued or running task): the one served longest ago (or never) first.
+        ``exclude``: a key not to count (to ask whether any other key is waiting)."""
+        marks = ", ".join("?" * len(index_names))
+        with self._connect() as con:
+            row = con.execute(
+                "SELECT k.principal FROM (SELECT j.principal, min(j.created_at) AS since FROM jobs j "
+                f"WHERE j.status IN ('queued', 'running') AND j.index_name IN ({marks}) AND EXISTS "
+                "(SELECT 1 FROM items i WHERE i.job_id = j.id AND i.status = 'pending') GROUP BY j.principal "
+                "UNION ALL SELECT principal, min(created_at) FROM tasks WHERE status IN ('queued', 'running') "
+                f"AND index_name IN ({marks}) GROUP BY principal) k LEFT JOIN turns t ON t.principal = k.principal "
+                "WHERE k.principal IS NOT ? ORDER BY coalesce(t.served_at, 0), k.since LIMIT 1",
+                [*index_names, *index_names, exclude]).fetchone()
+        return None if row is None else str(row[0])
+
+    def served(self, principal: str) -> None:
+        """Record that ``principal`` had its turn now."""
+        with self._tx() as con:
+            con.execute("INSERT INTO turns (principal, served_at) VALUES (?, ?) ON CONFLICT (principal) "
+                        "DO UPDATE SET served_at = excluded.served_at", (principal, time.time()))
+
+    def next_item(self, index_names: list[str], max_attempts: int | None = None, *,
+                  principal: str | None = None) -> dict[str, Any] | None:
+        """The next pending item of an active job on one of ``index_names`` (of ``principal``'s jobs when
+        given); counts the attempt.
 
         Keys take turns: the key served longest ago (or never) goes first, and within a key its oldest
         audit, so one key's large audit does not hold back another's. An item already started
@@ -211,7 +236,7 @@ class StateDB:
         marks = ", ".join("?" * len(index_names))
         while True:
             with self._tx() as con:
-                who = con.execute(
+                who = (principal,) if principal is not None else con.execute(
                     "SELECT j.principal FROM jobs j LEFT JOIN turns t ON t.principal = j.principal "
                     f"WHERE j.status IN ('queued', 'running') AND j.index_name IN ({marks}) AND EXISTS "
                     "(SELECT 1 FROM items i WHERE i.job_id = j.id AND i.status = 'pending') "
@@ -223,6 +248,8 @@ class StateDB:
                     f"WHERE i.status = 'pending' AND j.status IN ('queued', 'running') AND j.index_name IN ({marks}) "
                     "AND j.principal = ? ORDER BY j.created_at, i.job_id, i.item_no LIMIT 1",
                     [*index_names, who[0]]).fetchone()
+                if row is None:
+                    return None
                 now = time.time()
                 con.execute("INSERT INTO turns (principal, served_at) VALUES (?, ?) ON CONFLICT (principal) "
                             "DO UPDATE SET served_at = excluded.served_at", (who[0], now))
@@ -239,6 +266,20 @@ class StateDB:
             out["attempts"] = row["attempts"] + 1
             out["index_name"], out["params"] = row["index_name"], json.loads(row["params"])
             return out
+
+    def requeue_item(self, job_id: str, item_no: int) -> None:
+        """An item the worker put down unfinished (it is stopping): pending again, the start not counted."""
+        with self._tx() as con:
+            con.execute("UPDATE items SET attempts = max(attempts - 1, 0) WHERE job_id = ? AND item_no = ? "
+                        "AND status = 'pending'", (job_id, item_no))
+
+    def item_active(self, job_id: str, item_no: int) -> bool:
+        """Whether the item is still to be done: pending, in an audit that is neither cancelled nor finished."""
+        with self._connect() as con:
+            row = con.execute("SELECT 1 FROM items i JOIN jobs j ON j.id = i.job_id WHERE i.job_id = ? AND "
+                              "i.item_no = ? AND i.status = 'pending' AND j.status IN ('queued', 'running')",
+                              (job_id, item_no)).fetchone()
+        return row is not None
 
     def purge_finished(self, older_than_s: float) -> int:
         """Delete finished audits (completed or cancelled) last updated more than ``older_than_s`` ago,
@@ -331,18 +372,20 @@ class StateDB:
             return int(con.execute("SELECT count(*) FROM tasks WHERE principal = ? AND status IN "
                                    "('queued', 'running')", (principal,)).fetchone()[0])
 
-    def next_task(self, index_names: list[str], max_attempts: int) -> dict[str, Any] | None:
-        """The oldest unfinished task on one of ``index_names``, marked running and its start counted; a
-        task already started ``max_attempts`` times is failed instead."""
+    def next_task(self, index_names: list[str], max_attempts: int, *,
+                  principal: str | None = None) -> dict[str, Any] | None:
+        """The oldest unfinished task on one of ``index_names`` (of ``principal`` when given), marked running
+        and its start counted; a task already started ``max_attempts`` times is failed instead."""
         marks = ", ".join("?" * len(index_names))
+        mine, who = ("AND principal = ?", [principal]) if principal is not None else ("", [])
         with self._connect() as con:  # the idle worker's poll: a read, no write lock
             if con.execute(f"SELECT 1 FROM tasks WHERE status IN ('queued', 'running') AND index_name IN ({marks}) "
-                           "LIMIT 1", index_names).fetchone() is None:
+                           f"{mine} LIMIT 1", [*index_names, *who]).fetchone() is None:
                 return None
         while True:
             with self._tx() as con:
                 row = con.execute(f"SELECT * FROM tasks WHERE status IN ('queued', 'running') AND index_name IN "
-                                  f"({marks}) ORDER BY created_at, id LIMIT 1", index_names).fetchone()
+                                  f"({marks}) {mine} ORDER BY created_at, id LIMIT 1", [*index_names, *who]).fetchone()
                 if row is None:
                     return None
                 now = time.time()

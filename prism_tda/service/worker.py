@@ -1,9 +1,17 @@
-"""The audit worker: a background thread that attributes pending audit items one at a time, and runs
-background tasks (a discovery with selection by effect) between them, a task before an item.
+"""The background worker: audit items and background tasks (a discovery with selection by effect),
+run in slices by key in turns.
 
-Only one process per state directory runs it (an exclusive ``flock`` on ``audit-worker.lock``;
-the kernel releases it when the holder dies, and another server process takes over). It stops at
-an item boundary: :meth:`AuditWorker.stop` lets the item in hand commit, then takes no other.
+One unit of work at a time runs: an audit item or a task, in a thread of its own, with a stop event it
+checks at each step (each generated token, each batch of an exact pass, each stage; each candidate of a
+discovery). After ``slice_s`` of work, when another key has work waiting, the worker pauses the unit at
+its next check (it waits there, in memory) and gives that key its turn: the key served longest ago goes
+first, and each key runs its own units one at a time, items and tasks alternately. So one key's long task
+or item delays another key's next item by about one slice, whatever it queued. An item that has used
+``item_max_s`` of compute is stopped and failed; an owner's cancellation stops the unit at its next check.
+
+Only one process per state directory runs it (an exclusive ``flock`` on ``audit-worker.lock``; the
+kernel releases it when the holder dies, and another server process takes over). :meth:`AuditWorker.stop`
+stops the units in hand at their next check and puts them back, their starts not counted.
 """
 
 from __future__ import annotations
@@ -14,7 +22,11 @@ import logging
 import os
 import threading
 import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Any
+
+import torch
 
 from prism_tda.engine import Attribution, QueryOptions, QuerySpec
 from prism_tda.errors import Cancelled, PrismError, ShardUnavailable
@@ -46,22 +58,82 @@ def outcome(res: Attribution, flag: set[int]) -> dict[str, Any]:
             "flagged_prototypes": [p for p in used if p in flag], "documents": docs}
 
 
+class Pausable(threading.Event):
+    """A unit's stop event that can also hold it: while paused, the unit's next check (``is_set``) waits
+    until it is resumed or stopped. ``set(reason)`` stops it; ``parked`` is set while it waits."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.reason: str | None = None
+        self.parked = threading.Event()
+        self._go = threading.Event()
+
+    def pause(self) -> None:
+        self._go.clear()
+
+    def resume(self) -> None:
+        self._go.set()
+
+    def stop(self, reason: str) -> None:
+        if not super().is_set():
+            self.reason = reason
+        self.set()
+        self._go.set()
+
+    def is_set(self) -> bool:
+        if not self._go.is_set() and not super().is_set():
+            self.parked.set()
+            try:
+                self._go.wait()
+            finally:
+                self.parked.clear()
+        return super().is_set()
+
+
+@dataclass
+class Unit:
+    """One item or task in hand: the thread running it and what it came to."""
+
+    key: str
+    kind: str  # "item" or "task"
+    row: dict[str, Any]
+    stop: Pausable = field(default_factory=Pausable)
+    done: threading.Event = field(default_factory=threading.Event)
+    result: Any = None
+    error: BaseException | None = None
+    used_s: float = 0.0
+    t0: float = field(default_factory=time.perf_counter)
+
+    @property
+    def name(self) -> str:
+        return self.row["id"] if self.kind == "task" else f"{self.row['job_id']}#{self.row['item_no']}"
+
+
+STOPPING = "the server is stopping"
+CANCELLED = "its owner cancelled it"
+
+
 class AuditWorker:
     """``max_attempts``: starts of one item (or task) before it is failed; ``retention_s``: how long
-    finished audits and tasks are kept (0: for ever), purged at most once a minute."""
+    finished audits and tasks are kept (0: for ever), purged at most once a minute; ``slice_s``: the work a
+    unit does before another key gets its turn; ``item_max_s``: the most compute one item may take;
+    ``threads``: torch threads of each unit (None: torch's default)."""
 
-    CANCEL_POLL_S = 0.5
+    CANCEL_POLL_S = 0.25
 
     def __init__(self, state: StateDB, registry: Registry, metrics: Metrics, poll_s: float, *,
-                 max_attempts: int = 3, retention_s: float = 0.0) -> None:
+                 max_attempts: int = 3, retention_s: float = 0.0, slice_s: float = 1.0, item_max_s: float = 300.0,
+                 threads: int | None = None) -> None:
         self.state, self.registry, self.metrics, self.poll_s = state, registry, metrics, poll_s
         self.max_attempts, self.retention_s = max_attempts, retention_s
+        self.slice_s, self.item_max_s, self.threads = slice_s, item_max_s, threads
         self._purged_at = 0.0
         self.wake = threading.Event()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="audit-worker", daemon=True)
         self._lock_fd: int | None = None
-        self._task_stop: threading.Event | None = None  # the running task's stop, set by :meth:`stop` too
+        self._units: dict[str, Unit] = {}  # the unit in hand of each key (at most one a key)
+        self._last_kind: dict[str, str] = {}
 
     @property
     def alive(self) -> bool:
@@ -76,14 +148,15 @@ class AuditWorker:
         self._thread.start()
 
     def stop(self, timeout: float = 30.0) -> None:
-        """Finish the item in hand (waiting at most ``timeout`` seconds), then stop."""
+        """Stop the units in hand at their next check (waiting at most ``timeout`` seconds) and put them
+        back for the next start, then stop."""
         self._stop.set()
-        if self._task_stop is not None:
-            self._task_stop.set()
+        for unit in list(self._units.values()):
+            unit.stop.stop(STOPPING)
         self.wake.set()
         self._thread.join(timeout)
         if self._thread.is_alive():
-            log.warning("the audit worker did not finish its item in time; it stays pending and is "
+            log.warning("the audit worker did not put its work down in time; it stays pending and is "
                         "processed again after a restart", extra={"timeout_s": timeout})
         else:
             log.info("audit worker stopped")
@@ -124,66 +197,122 @@ class AuditWorker:
             if not busy:
                 self.wake.wait(self.poll_s)
                 self.wake.clear()
+        for unit in list(self._units.values()):  # put down what is in hand
+            unit.stop.stop(STOPPING)
+            unit.done.wait()
+            self._settle(unit)
 
+    # ------------------------------------------------------------------------ turns
     def step(self) -> bool:
-        """Run one pending task, else process one pending item; False when there is neither (or the
-        worker is stopping)."""
+        """Give the key whose turn it is one slice of work; False when no key has work (or the worker is
+        stopping)."""
         if self._stop.is_set():
             return False
-        if self.step_task():
-            return True
-        item = self.state.next_item(list(self.registry.indexes), self.max_attempts)
-        if item is None:
+        self._reap()
+        names = list(self.registry.indexes)
+        key = self.state.next_key(names)
+        if key is None:
             return False
-        p = item["params"]
-        ix = self.registry.get(item["index_name"])
-        error, result = None, None
-        try:
-            res = ix.attribute(QuerySpec(item["prompt"], item["completion"], item["max_new_tokens"],
-                                         item.get("target_index")), stored_options(p))
-            result = outcome(res, set(item["flag_prototypes"] or []))
-        except PrismError as e:
-            if isinstance(e, ShardUnavailable):  # the cluster, not the item: retried after a pause
-                log.warning("audit item waits for its shards", extra={"job_id": item["job_id"],
-                                                                      "item_no": item["item_no"], "error": str(e)})
-                self._stop.wait(self.poll_s)
-                return True
-            error = str(e)
-        except Exception as e:  # not the item's fault as far as we know: it stays pending, up to max_attempts
-            log.exception("audit item failed unexpectedly", extra={"job_id": item["job_id"], "item_no": item["item_no"],
-                                                                   "attempt": item["attempts"]})
-            if item["attempts"] < self.max_attempts:
-                return True
-            error = f"internal error ({type(e).__name__}) in each of {item['attempts']} attempts"
-        done = self.state.finish_item(item["job_id"], item["item_no"], error=error, result=result)
-        if done:
-            self.metrics.audit_items.labels(status="failed" if error else "done").inc()
+        self.state.served(key)
+        unit = self._units.get(key) or self._start(key, names)
+        if unit is not None:
+            self._slice(unit, names)
         return True
+
+    def _active(self, unit: Unit) -> bool:
+        """Whether the unit's audit or task still wants it (not cancelled meanwhile)."""
+        if unit.kind == "item":
+            return self.state.item_active(unit.row["job_id"], unit.row["item_no"])
+        found = self.state.task(unit.row["id"])
+        return found is not None and found["status"] == "running"
+
+    def _reap(self) -> None:
+        """Stop the units put down whose audit or task was cancelled meanwhile."""
+        for unit in list(self._units.values()):
+            if not unit.done.is_set() and not self._active(unit):
+                unit.stop.stop(CANCELLED)
+                unit.done.wait()
+            if unit.done.is_set():
+                self._settle(unit)
+
+    def _start(self, key: str, names: list[str]) -> Unit | None:
+        """The key's next unit, started paused: an item or a task, taking the other kind than last time
+        when the key has both."""
+        kinds = ["task", "item"] if self._last_kind.get(key) == "item" else ["item", "task"]
+        for kind in kinds:
+            row = (self.state.next_item(names, self.max_attempts, principal=key) if kind == "item"
+                   else self.state.next_task(names, self.max_attempts, principal=key))
+            if row is not None:
+                self._last_kind[key] = kind
+                unit = Unit(key, kind, row)
+                work = self._item_work(unit) if kind == "item" else self._task_work(unit)
+                unit.stop.pause()
+                threading.Thread(target=self._body, args=(unit, work), name=f"work-{unit.name}", daemon=True).start()
+                self._units[key] = unit
+                return unit
+        return None
+
+    def _body(self, unit: Unit, work: Callable[[], Any]) -> None:
+        if self.threads:
+            torch.set_num_threads(self.threads)
+        try:
+            unit.stop.is_set()  # started paused: waits here for its first slice
+            if unit.stop.is_set():
+                raise Cancelled(f"the work was stopped: {unit.stop.reason}")
+            unit.result = work()
+        except BaseException as e:  # settled by the worker's thread
+            unit.error = e
+        finally:
+            unit.done.set()
+
+    def _slice(self, unit: Unit, names: list[str]) -> None:
+        """Run ``unit`` for one slice (longer while no other key has work), then pause it at its next check;
+        settle it once it is done."""
+        unit.stop.resume()
+        t0 = time.perf_counter()
+        end = t0 + self.slice_s
+        while not unit.done.wait(self.CANCEL_POLL_S):
+            now = time.perf_counter()
+            if self._stop.is_set():
+                unit.stop.stop(STOPPING)
+            elif not self._active(unit):
+                unit.stop.stop(CANCELLED)
+            elif unit.kind == "item" and unit.used_s + now - t0 > self.item_max_s:
+                unit.stop.stop(f"it ran past the step budget of {self.item_max_s:g} s (audit_item_max_s)")
+            elif now >= end:
+                if self.state.next_key(names, exclude=unit.key) is None:
+                    end = now + self.slice_s  # nobody else is waiting: go on
+                    continue
+                unit.stop.pause()
+                # it parks at its next check; one that waits for a lock a paused unit holds never gets there,
+                # so the wait is bounded (it goes on parking at its next check meanwhile)
+                give_up = now + max(5.0, 5 * self.slice_s)
+                while not (unit.stop.parked.wait(self.CANCEL_POLL_S) or unit.done.is_set()):
+                    if self._stop.is_set():
+                        unit.stop.stop(STOPPING)
+                    if time.perf_counter() > give_up:
+                        log.warning("a unit did not reach a check in time to be put down; the next key goes on "
+                                    "beside it", extra={"unit": unit.name})
+                        break
+                break
+        unit.used_s += time.perf_counter() - t0
+        if unit.done.is_set():
+            self._settle(unit)
+
+    # ------------------------------------------------------------------------ the work
+    def _item_work(self, unit: Unit) -> Callable[[], Any]:
+        item = unit.row
+        ix = self.registry.get(item["index_name"])
+        spec = QuerySpec(item["prompt"], item["completion"], item["max_new_tokens"], item.get("target_index"))
+        options = stored_options(item["params"])
+        return lambda: outcome(ix.attribute(spec, options, stop=unit.stop), set(item["flag_prototypes"] or []))
 
     # the share of a discovery's work done when each stage starts and how much of the work it is
     STAGES = {"ranking": (0.0, 0.1), "model": (0.1, 0.4), "selection": (0.5, 0.5)}
 
-    def step_task(self) -> bool:
-        """Run the oldest pending task to its end; False when there is none. Its owner's cancellation (seen
-        within ``CANCEL_POLL_S``) or the worker's stop ends it at the engine's next check: a stopping
-        worker leaves it queued for the next start."""
-        task = self.state.next_task(list(self.registry.indexes), self.max_attempts)
-        if task is None:
-            return False
+    def _task_work(self, unit: Unit) -> Callable[[], Any]:
+        task, last = unit.row, [0.0]
         tid = task["id"]
-        stop = self._task_stop = threading.Event()
-        if self._stop.is_set():
-            stop.set()
-        finished = threading.Event()
-
-        def watch() -> None:  # the owner's DELETE, seen in the state database
-            while not finished.wait(self.CANCEL_POLL_S):
-                found = self.state.task(tid)
-                if found is None or found["status"] != "running":
-                    stop.set()
-                    return
-
-        last = [0.0]
 
         def progress(stage: str, done: int, total: int) -> None:
             now = time.monotonic()
@@ -193,32 +322,67 @@ class AuditWorker:
             start, share = self.STAGES.get(stage, (0.0, 0.0))
             self.state.task_progress(tid, stage, done, total, start + share * (done / total if total else 1.0))
 
-        watcher = threading.Thread(target=watch, name=f"task-watch-{tid}", daemon=True)
-        watcher.start()
-        t0 = time.perf_counter()
-        error, result = None, None
-        try:
+        def work() -> dict[str, Any]:
             ix = self.registry.get(task["index_name"])
             if task["kind"] != "discover":
                 raise PrismError(f"unknown task kind {task['kind']!r}")
-            result = {"index": ix.name, **ix.discover(**task["params"], stop=stop, progress=progress)}
-        except Cancelled:
-            if self._stop.is_set():
+            return {"index": ix.name, **ix.discover(**task["params"], stop=unit.stop, progress=progress)}
+
+        return work
+
+    def _settle(self, unit: Unit) -> None:
+        """Record what a finished unit came to, and let it go."""
+        self._units.pop(unit.key, None)
+        if unit.kind == "item":
+            self._settle_item(unit)
+        else:
+            self._settle_task(unit)
+
+    def _settle_item(self, unit: Unit) -> None:
+        item, e = unit.row, unit.error
+        where = {"job_id": item["job_id"], "item_no": item["item_no"]}
+        error, result = None, unit.result
+        if isinstance(e, Cancelled):
+            if unit.stop.reason in (STOPPING, None):
+                self.state.requeue_item(item["job_id"], item["item_no"])
+                log.info("audit item put down for the next start", extra=where)
+                return
+            if unit.stop.reason == CANCELLED:
+                log.info("audit item stopped: its audit was cancelled", extra=where)
+                return
+            error = f"stopped: {unit.stop.reason}"
+        elif isinstance(e, ShardUnavailable):  # the cluster, not the item: retried after a pause
+            log.warning("audit item waits for its shards", extra={**where, "error": str(e)})
+            self._stop.wait(self.poll_s)
+            return
+        elif isinstance(e, PrismError):
+            error = str(e)
+        elif e is not None:  # not the item's fault as far as we know: it stays pending, up to max_attempts
+            log.error("audit item failed unexpectedly", exc_info=e, extra={**where, "attempt": item["attempts"]})
+            if item["attempts"] < self.max_attempts:
+                return
+            error = f"internal error ({type(e).__name__}) in each of {item['attempts']} attempts"
+        if self.state.finish_item(item["job_id"], item["item_no"], error=error,
+                                  result=None if error else result):
+            self.metrics.audit_items.labels(status="failed" if error else "done").inc()
+
+    def _settle_task(self, unit: Unit) -> None:
+        task, e, tid = unit.row, unit.error, unit.row["id"]
+        error = None
+        if isinstance(e, Cancelled):
+            if unit.stop.reason in (STOPPING, None):
                 self.state.requeue_task(tid)
                 log.info("task put down for the next start", extra={"task_id": tid})
             else:
                 log.info("task cancelled", extra={"task_id": tid})
-            return True
-        except PrismError as e:
+            return
+        if isinstance(e, PrismError):
             error = str(e)
-        except Exception:  # not the task's fault as far as we know: it stays running and is started again
-            log.exception("task failed unexpectedly", extra={"task_id": tid, "attempt": task["attempts"]})
-            return True
-        finally:
-            finished.set()
-            self._task_stop = None
-        if self.state.finish_task(tid, result=result, error=error):
+        elif e is not None:  # not the task's fault as far as we know: it stays running and is started again
+            log.error("task failed unexpectedly", exc_info=e, extra={"task_id": tid, "attempt": task["attempts"]})
+            return
+        if self.state.finish_task(tid, result=None if error else unit.result, error=error):
             self.metrics.tasks.labels(kind=task["kind"], status="failed" if error else "completed").inc()
         log.info("task finished", extra={"task_id": tid, "kind": task["kind"], "error": error,
-                                         "seconds": round(time.perf_counter() - t0, 3)})
-        return True
+                                         "seconds": round(time.perf_counter() - unit.t0, 3),
+                                         "compute_s": round(unit.used_s, 3)})

@@ -79,17 +79,21 @@ async def _job(services: Services, audit_id: str, principal: Principal) -> dict[
 @router.post("", status_code=202, response_model=AuditJob,
              responses=p.responses(p.UnknownIndex, p.TooManyItems, p.InvalidQuery, p.PromptTooLong,
                                    p.InvalidPrototype, p.PrototypeSetNotFound, p.IdempotencyConflict,
-                                   p.BodyTooLarge, p.AuditQuota))
+                                   p.BodyTooLarge, p.AuditQuota, p.KeyBusy))
 async def create_audit(body: AuditRequest, services: ServicesDep, principal: PrincipalDep, response: Response,
                        idempotency_key: Annotated[str | None, Header(max_length=200, description=(
                            "Resubmitting with the same key returns the same audit instead of a new one."))] = None,
                        ) -> AuditJob:
     """Submit a batch of (prompt, output) items. The job and its items are stored before the answer
-    (202); the background worker attributes them; poll GET /v1/audits/{audit_id} for progress."""
+    (202); the background worker attributes them; poll GET /v1/audits/{audit_id} for progress. The worker
+    gives each key with work its turn, a slice at a time (`work_slice_s`); an item has at most
+    `audit_item_max_s` of compute (`mode: exact` over that estimate is refused here, 422)."""
     ix = services.registry.get(body.index)
     options = body.options()
     services.check_limits(n_items=("items", len(body.items)), options=options, context=ix.attributor.encoder.context)
     options = services.bounded(options)
+    if options.mode == "exact":  # an item over the step budget would only be stopped there: refused now
+        await services.run(ix, principal, ix.check_exact_time, services.settings.audit_item_max_s, audit=True)
     if options.influence:  # refused now, not item by item in the background, where the index cannot serve it
         try:
             await services.io(ix.attributor.check_influence)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from fastapi import APIRouter
+from fastapi import APIRouter, Request
 
 from .. import problems as p
 from ..deps import PrincipalDep, ServicesDep
@@ -14,15 +14,17 @@ router = APIRouter(prefix="/generate", tags=["generation"])
 
 @router.post("", response_model=GenerateResponse,
              responses=p.responses(p.UnknownIndex, p.InvalidQuery, p.PromptTooLong, p.InvalidPrototype,
-                                   p.PrototypeSetNotFound, p.TooManyItems, p.BodyTooLarge))
-async def generate(body: GenerateRequest, services: ServicesDep, principal: PrincipalDep) -> GenerateResponse:
+                                   p.PrototypeSetNotFound, p.TooManyItems, p.BodyTooLarge, p.KeyBusy))
+async def generate(body: GenerateRequest, request: Request, services: ServicesDep,
+                   principal: PrincipalDep) -> GenerateResponse:
     """Continue a prompt. `suppress` (prototype ids, or a stored set's name) scales those prototypes'
     activations by `alpha` before mixing: 0, the default, removes their part of the logits; 1 leaves the
     model as it is; above 1 boosts them. `steer` adds more sets, each at its own alpha. The active sets and
     the residual stay those of the unscaled model, so the logit decomposition stays exact. With `gate`, every
     scaled prototype is scaled only at positions where their joint share of the activation mass, averaged over
     the last `gate_window` positions, is at least `gate` (conditional steering: the model is left as it is
-    where the context does not carry them)."""
+    where the context does not carry them). Generation is heavy: a key runs at most `max_heavy_per_key`
+    generations at once (429 `key-busy`); it stops at the next token when the client disconnects."""
     ix = services.registry.get(body.index)
     n_new = min(32, services.settings.max_new_tokens) if body.max_new_tokens is None else body.max_new_tokens
     services.check_limits(max_new_tokens=n_new)
@@ -55,9 +57,10 @@ async def generate(body: GenerateRequest, services: ServicesDep, principal: Prin
     services.check_limits(n_items=("steer", len(scale)))
     if body.gate is not None and not scale:
         raise p.InvalidQuery("gate: needs prototypes to scale (suppress, steer or prototype_alphas)")
-    gen, n_prompt = await services.run(ix, ix.generate, body.prompt, max_new_tokens=n_new,
-                                       temperature=body.temperature, sample_top_k=body.sample_top_k, seed=body.seed,
-                                       scale=scale, gate=body.gate, gate_window=body.gate_window)
+    with services.heavy_request(principal):
+        gen, n_prompt = await services.run_cancellable(
+            request, ix, principal, ix.generate, body.prompt, max_new_tokens=n_new, temperature=body.temperature,
+            sample_top_k=body.sample_top_k, seed=body.seed, scale=scale, gate=body.gate, gate_window=body.gate_window)
     return GenerateResponse(index=ix.name, completion=gen.text, token_ids=gen.token_ids, n_prompt_tokens=n_prompt,
                             stopped=gen.stopped, suppressed=sorted(set(suppressed)), suppress_set=set_name,
                             alpha=body.alpha, steered=[t for _, t in terms], gate=body.gate if scale else None,

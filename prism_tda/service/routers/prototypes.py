@@ -29,8 +29,8 @@ router = APIRouter(prefix="/prototypes", tags=["prototypes"])
 sets_router = APIRouter(prefix="/prototype-sets", tags=["prototypes"])
 
 
-@router.get("", response_model=PrototypeList, responses=p.responses(p.UnknownIndex))
-async def list_prototypes(services: ServicesDep, index: IndexQuery = None,
+@router.get("", response_model=PrototypeList, responses=p.responses(p.UnknownIndex, p.KeyBusy))
+async def list_prototypes(services: ServicesDep, principal: PrincipalDep, index: IndexQuery = None,
                           order: Annotated[Literal["mass", "n_tokens", "proto_id"], Query()] = "mass",
                           limit: Annotated[int, Query(ge=1, le=1000)] = 50,
                           offset: Annotated[int, Query(ge=0, le=2**31 - 1)] = 0,
@@ -39,21 +39,21 @@ async def list_prototypes(services: ServicesDep, index: IndexQuery = None,
                           ) -> PrototypeList:
     """Prototypes ordered by activation mass (default), token count or id; searchable by label."""
     ix = services.registry.get(index)
-    total, rows = await services.run(ix, ix.catalog.prototypes, limit, offset, order, q)
+    total, rows = await services.run(ix, principal, ix.catalog.prototypes, limit, offset, order, q)
     return PrototypeList(index=ix.name, total=total,
                          prototypes=[PrototypeSummary(**{**r, "top_tokens": list(r["top_tokens"] or [])})
                                      for r in rows])
 
 
-@router.get("/{proto_id:not_discover}", response_model=Prototype, responses=p.responses(p.UnknownIndex, p.PrototypeNotFound))
+@router.get("/{proto_id:not_discover}", response_model=Prototype, responses=p.responses(p.UnknownIndex, p.KeyBusy, p.PrototypeNotFound))
 async def get_prototype(proto_id: Annotated[int, Path(ge=0, le=2**31 - 1)], services: ServicesDep,
-                        index: IndexQuery = None,
+                        principal: PrincipalDep, index: IndexQuery = None,
                         contexts: Annotated[int, Query(ge=0, le=100, description="Top contexts to return.")] = 10,
                         signature: Annotated[int, Query(ge=1, le=100, description="Signature tokens.")] = 10,
                         ) -> Prototype:
     """One prototype: usage, its token-logit signature `W p_i`, and the training contexts that activate it most."""
     ix = services.registry.get(index)
-    out = await services.run(ix, ix.prototype, proto_id, contexts, signature)
+    out = await services.run(ix, principal, ix.prototype, proto_id, contexts, signature)
     return Prototype(index=ix.name, **out)
 
 
@@ -67,14 +67,14 @@ async def _doc_ids(services, ix, src: TextSource | None, field: str, principal) 
         return {"doc_ids": src.doc_ids}
     audit = {"index_name": ix.name, "principal": None if principal.admin else principal.id}
     try:
-        return {"doc_ids": await services.sql(ix.sql.doc_ids, src.sql, audit, field=f"{field}.sql")}
+        return {"doc_ids": await services.sql(ix, principal, ix.sql.doc_ids, src.sql, audit, field=f"{field}.sql")}
     except SqlRefusal as e:
         services.metrics.sql_refused.labels(kind=e.kind).inc()
         raise p.BY_KIND[e.kind](f"{field}.sql: {e.detail}") from None
 
 
 @router.post("/discover", response_model=DiscoverResponse,
-                  responses=p.responses(p.UnknownIndex, p.InvalidQuery, p.SqlSyntax, p.SqlOneStatement,
+                  responses=p.responses(p.UnknownIndex, p.KeyBusy, p.InvalidQuery, p.SqlSyntax, p.SqlOneStatement,
                                         p.SqlForbidden, p.SqlError, p.SqlTimeout, p.SqlTooManyRows, p.SqlBusy,
                                         p.BodyTooLarge))
 async def discover_prototypes(body: DiscoverRequest, request: Request, services: ServicesDep,
@@ -89,11 +89,12 @@ async def discover_prototypes(body: DiscoverRequest, request: Request, services:
     ix = services.registry.get(body.index)
     topic = await _doc_ids(services, ix, body.topic, "topic", principal)
     contrast = await _doc_ids(services, ix, body.contrast, "contrast", principal)
-    out = await services.run_cancellable(
-        request, ix, ix.discover, topic=topic, contrast=contrast, top_n=body.top_n, min_support=body.min_support,
-        min_docs=body.min_docs, smoothing=body.smoothing, include_untrained=body.include_untrained,
-        contexts=body.contexts, measure=body.measure, max_tokens=services.settings.discover_max_tokens,
-        select=body.select, max_selected=body.max_selected, max_ppl_ratio=body.max_ppl_ratio)
+    with services.heavy_request(principal):
+        out = await services.run_cancellable(
+            request, ix, principal, ix.discover, topic=topic, contrast=contrast, top_n=body.top_n, min_support=body.min_support,
+            min_docs=body.min_docs, smoothing=body.smoothing, include_untrained=body.include_untrained,
+            contexts=body.contexts, measure=body.measure, max_tokens=services.settings.discover_max_tokens,
+            select=body.select, max_selected=body.max_selected, max_ppl_ratio=body.max_ppl_ratio)
     return DiscoverResponse(index=ix.name, **out)
 
 

@@ -18,7 +18,7 @@ router = APIRouter(prefix="/sql", tags=["sql"])
 @router.post("", response_model=SqlResponse,
              responses=p.responses(p.UnknownIndex, p.SqlSyntax, p.SqlOneStatement, p.SqlForbidden, p.SqlError,
                                    p.SqlTimeout, p.SqlTooManyRows, p.SqlOutOfMemory, p.SqlResultTooLarge,
-                                   p.SqlBusy, p.BodyTooLarge))
+                                   p.SqlBusy, p.KeyBusy, p.BodyTooLarge))
 async def run_sql(body: SqlRequest, services: ServicesDep, principal: PrincipalDep) -> Response:
     """Run one SELECT over `documents`, `sequences`, `tokens`, `activations`, `prototypes`, `vocab`,
     `shards`, `audit_results` (your own audits; every audit for admin keys) and `prototype_sets` (one row per set
@@ -28,7 +28,7 @@ async def run_sql(body: SqlRequest, services: ServicesDep, principal: PrincipalD
     audit = {"index_name": ix.name, "principal": None if principal.admin else principal.id}
     t0 = time.perf_counter()
     try:
-        header, rows = await services.sql(ix.sql.query, body.sql, audit)
+        header, rows = await services.sql(ix, principal, ix.sql.query, body.sql, audit)
     except SqlRefusal as e:
         services.metrics.sql_refused.labels(kind=e.kind).inc()
         raise p.BY_KIND[e.kind](e.detail) from None
