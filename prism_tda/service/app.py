@@ -72,7 +72,7 @@ def _load(settings: Settings, metrics: Metrics) -> Services:
             state.put_set(ix.name, SHARED, name, ids, "from the server's settings")
     worker = AuditWorker(state, registry, metrics, settings.audit_poll_s, max_attempts=settings.audit_max_attempts,
                          retention_s=settings.audit_retention_days * 86400, slice_s=settings.work_slice_s,
-                         item_max_s=settings.audit_item_max_s, threads=compute_threads(settings))
+                         item_max_s=settings.audit_item_max_s, threads=settings.torch_threads)
     return Services(settings=settings, registry=registry, state=state, worker=worker, metrics=metrics,
                     threads=ThreadShare(process_cores(settings), settings.torch_threads),
                     guard=Guard(settings))
