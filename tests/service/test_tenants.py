@@ -14,7 +14,7 @@ import pytest
 from fastapi import Request
 
 from prism_tda.procmem import status_bytes
-from prism_tda.service.security import TokenBuckets
+from prism_tda.service.security import LOCAL, TokenBuckets
 
 from .conftest import ADMIN, A, B, assert_problem, auth, free_port, service_settings, serving
 
@@ -185,7 +185,7 @@ def test_work_stops_when_its_client_leaves(index, tmp_path):
 
     async def long_work(request: Request) -> dict:
         services = request.app.state.services
-        return {"result": await services.run_cancellable(request, services.registry.get(None), slow)}
+        return {"result": await services.run_cancellable(request, services.registry.get(None), LOCAL, slow)}
 
     app.add_api_route("/test/long", long_work, methods=["POST"])
     with serving(settings, app) as live:
