@@ -39,11 +39,14 @@ class ThreadShare:
     def __init__(self, cores: int, fixed: int | None = None) -> None:
         self.cores, self.fixed = max(1, cores), fixed
         self.active = 0
+        self.light = 0  # computations running that are not heavy
         self._lock = threading.Lock()
+        self._light_done = threading.Condition(self._lock)
 
-    def run(self, fn: Callable[[], T]) -> T:
+    def run(self, fn: Callable[[], T], heavy: bool = False) -> T:
         with self._lock:
             self.active += 1
+            self.light += not heavy
             n = self.fixed or max(1, self.cores // self.active)
         try:
             if torch.get_num_threads() != n:
@@ -52,6 +55,30 @@ class ThreadShare:
         finally:
             with self._lock:
                 self.active -= 1
+                self.light -= not heavy
+                if not self.light:
+                    self._light_done.notify_all()
+
+    def yield_to_light(self, max_wait_s: float) -> None:
+        """Wait (at most ``max_wait_s``) while light computations run: a heavy one calls this at each of its
+        checks, so a short query beside it runs alone instead of sharing the cores and the interpreter lock."""
+        with self._lock:
+            if self.light:
+                self._light_done.wait_for(lambda: not self.light, max_wait_s)
+
+
+class YieldingStop(threading.Event):
+    """A heavy computation's stop event: each check first lets the light computations running beside it
+    finish (:meth:`ThreadShare.yield_to_light`, at most ``max_wait_s`` a check, so it still advances)."""
+
+    def __init__(self, share: ThreadShare, max_wait_s: float = 0.5) -> None:
+        super().__init__()
+        self.share, self.max_wait_s = share, max_wait_s
+
+    def is_set(self) -> bool:
+        if not super().is_set():
+            self.share.yield_to_light(self.max_wait_s)
+        return super().is_set()
 
 
 @dataclass
@@ -85,17 +112,18 @@ class Services:
     def _busy(e: Busy) -> problems.ServiceError:
         return problems.KeyBusy(e.detail, headers={"Retry-After": str(e.retry_after_s)})
 
-    async def run(self, ix: LoadedIndex, who: Principal, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+    async def run(self, ix: LoadedIndex, who: Principal, fn: Callable[..., T], *args: Any, heavy: bool = False,
+                  **kwargs: Any) -> T:
         """Run CPU-bound work in a worker thread, at most ``compute_concurrency`` at once per index, admitted
         by key in turns (:class:`FairLimiter`: a key over its share is refused with 429 ``key-busy``), with
-        its share of the cores (:class:`ThreadShare`)."""
+        its share of the cores (:class:`ThreadShare`; ``heavy``: it yields to the light ones at its checks)."""
         limiter = self.limiters[ix.name]
         try:
             await limiter.acquire(who.id, bounded=not who.admin)
         except Busy as e:
             raise self._busy(e) from None
         try:
-            work = functools.partial(self.threads.run, functools.partial(fn, *args, **kwargs))
+            work = functools.partial(self.threads.run, functools.partial(fn, *args, **kwargs), heavy)
             return await anyio.to_thread.run_sync(work)
         finally:
             limiter.release(who.id)
@@ -119,13 +147,14 @@ class Services:
                 del self.heavy[who.id]
 
     async def run_cancellable(self, request: Request, ix: LoadedIndex, who: Principal, fn: Callable[..., T],
-                              *args: Any, **kwargs: Any) -> T:
+                              *args: Any, heavy: bool = False, **kwargs: Any) -> T:
         """:meth:`run` for work that takes a ``stop`` event: set when the client disconnects, so the work
-        stops at its next check (the engine raises ``Cancelled``, answered 499)."""
-        stop = threading.Event()
+        stops at its next check (the engine raises ``Cancelled``, answered 499). ``heavy``: at each check the
+        work first lets the light computations beside it finish (:class:`YieldingStop`)."""
+        stop = YieldingStop(self.threads) if heavy else threading.Event()
 
         async def watch() -> None:
-            while not stop.is_set():
+            while not threading.Event.is_set(stop):  # never waits, whatever the stop's kind
                 if await request.is_disconnected():
                     stop.set()
                     return
@@ -135,7 +164,7 @@ class Services:
         async with anyio.create_task_group() as tg:
             tg.start_soon(watch)
             try:
-                result = await self.run(ix, who, fn, *args, stop=stop, **kwargs)
+                result = await self.run(ix, who, fn, *args, stop=stop, heavy=heavy, **kwargs)
             except Exception as e:  # raised after the group, as itself (not wrapped in an exception group)
                 failed = e
             finally:

@@ -695,8 +695,10 @@ def test_long_work_stops_when_asked(att):
 
     stop = threading.Event()
     stop.set()
-    with pytest.raises(Cancelled, match="exact attribution"):
+    with pytest.raises(Cancelled, match="attribution was stopped"):
         att.attribute(COMPUTER, exact(), stop=stop)
+    with pytest.raises(Cancelled, match="generation was stopped"):  # a generated target: token by token
+        att.attribute(QuerySpec(COMPUTER.prompt, max_new_tokens=8), stop=stop)
     with pytest.raises(Cancelled, match="discovery"):
         att.discover(topic_docs=np.arange(50), measure="logit", stop=stop)
     # set mid-way: the exact pass stops well before its end

@@ -32,5 +32,6 @@ async def attribute(body: AttributeRequest, request: Request, services: Services
     with services.heavy_request(principal) if heavy else contextlib.nullcontext():
         if options.mode == "exact":
             await services.run(ix, principal, ix.check_exact_time, services.settings.exact_max_seconds)
-        res = await services.run_cancellable(request, ix, principal, ix.attribute, body.spec(), options)
+        res = await services.run_cancellable(request, ix, principal, ix.attribute, body.spec(), options,
+                                             heavy=heavy)
     return AttributeResponse.of(ix.name, res)
