@@ -70,12 +70,14 @@ def _load(settings: Settings, metrics: Metrics) -> Services:
         for ix in registry.indexes.values():
             ix.check_prototypes(ids, f"PRISM_PROTOTYPE_SETS[{name!r}]")
             state.put_set(ix.name, SHARED, name, ids, "from the server's settings")
+    threads = ThreadShare(process_cores(settings), settings.torch_threads)
+    # background work yields to live requests' light computations at each of its checks
     worker = AuditWorker(state, registry, metrics, settings.audit_poll_s, max_attempts=settings.audit_max_attempts,
                          retention_s=settings.audit_retention_days * 86400, slice_s=settings.work_slice_s,
-                         item_max_s=settings.audit_item_max_s, threads=settings.torch_threads)
+                         item_max_s=settings.audit_item_max_s, threads=settings.torch_threads,
+                         yield_to=threads.yield_to_light)
     return Services(settings=settings, registry=registry, state=state, worker=worker, metrics=metrics,
-                    threads=ThreadShare(process_cores(settings), settings.torch_threads),
-                    guard=Guard(settings))
+                    threads=threads, guard=Guard(settings))
 
 
 def create_app(settings: Settings | None = None) -> FastAPI:

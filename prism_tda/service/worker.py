@@ -60,10 +60,13 @@ def outcome(res: Attribution, flag: set[int]) -> dict[str, Any]:
 
 class Pausable(threading.Event):
     """A unit's stop event that can also hold it: while paused, the unit's next check (``is_set``) waits
-    until it is resumed or stopped. ``set(reason)`` stops it; ``parked`` is set while it waits."""
+    until it is resumed or stopped. ``stop(reason)`` stops it; ``parked`` is set while it waits.
+    ``yield_to(max_wait_s)``: called at each check first (the live requests' light computations finish
+    before background work goes on)."""
 
-    def __init__(self) -> None:
+    def __init__(self, yield_to: Callable[[float], None] | None = None) -> None:
         super().__init__()
+        self.yield_to = yield_to
         self.reason: str | None = None
         self.parked = threading.Event()
         self._go = threading.Event()
@@ -81,6 +84,8 @@ class Pausable(threading.Event):
         self._go.set()
 
     def is_set(self) -> bool:
+        if self.yield_to is not None and not super().is_set():
+            self.yield_to(0.5)
         if not self._go.is_set() and not super().is_set():
             self.parked.set()
             try:
@@ -117,16 +122,16 @@ class AuditWorker:
     """``max_attempts``: starts of one item (or task) before it is failed; ``retention_s``: how long
     finished audits and tasks are kept (0: for ever), purged at most once a minute; ``slice_s``: the work a
     unit does before another key gets its turn; ``item_max_s``: the most compute one item may take;
-    ``threads``: torch threads of each unit (None: torch's default)."""
+    ``threads``: torch threads of each unit (None: torch's default); ``yield_to``: see :class:`Pausable`."""
 
     CANCEL_POLL_S = 0.25
 
     def __init__(self, state: StateDB, registry: Registry, metrics: Metrics, poll_s: float, *,
                  max_attempts: int = 3, retention_s: float = 0.0, slice_s: float = 1.0, item_max_s: float = 300.0,
-                 threads: int | None = None) -> None:
+                 threads: int | None = None, yield_to: Callable[[float], None] | None = None) -> None:
         self.state, self.registry, self.metrics, self.poll_s = state, registry, metrics, poll_s
         self.max_attempts, self.retention_s = max_attempts, retention_s
-        self.slice_s, self.item_max_s, self.threads = slice_s, item_max_s, threads
+        self.slice_s, self.item_max_s, self.threads, self.yield_to = slice_s, item_max_s, threads, yield_to
         self._purged_at = 0.0
         self.wake = threading.Event()
         self._stop = threading.Event()
@@ -244,7 +249,7 @@ class AuditWorker:
                    else self.state.next_task(names, self.max_attempts, principal=key))
             if row is not None:
                 self._last_kind[key] = kind
-                unit = Unit(key, kind, row)
+                unit = Unit(key, kind, row, Pausable(self.yield_to))
                 work = self._item_work(unit) if kind == "item" else self._task_work(unit)
                 unit.stop.pause()
                 threading.Thread(target=self._body, args=(unit, work), name=f"work-{unit.name}", daemon=True).start()
