@@ -103,6 +103,7 @@ def test_demo_end_to_end_with_a_tiny_model(tmp_path, capsys):
     assert json.loads(capsys.readouterr().out.split("\n}\n")[0] + "\n}")["train_seconds"] < 5
 
 
+@pytest.mark.slow
 def test_demo_uses_the_bundled_model_without_training(tiny_ckpt, tiny_corpus, tmp_path, monkeypatch, capsys):
     """Without --train the demo copies the bundled model into its run directory and trains nothing (here
     the bundled model is the tiny checkpoint and the corpus its 600 documents); a second run reuses both;

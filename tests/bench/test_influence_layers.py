@@ -8,11 +8,14 @@ from __future__ import annotations
 import shutil
 
 import numpy as np
+import pytest
 
 import prism_tda.engine.influence as inf
 from bench.attribution.influence_layers import subsets_of, tracking_only
 from prism_tda.engine import Attributor, QuerySpec
 from prism_tda.engine.arrays import index_in
+
+pytestmark = pytest.mark.slow  # a bench script's run: the slow tier
 
 
 def test_per_layer_terms_add_up_and_tracking_fewer_layers_gives_their_sum(index, tmp_path):

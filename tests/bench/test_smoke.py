@@ -11,6 +11,8 @@ import pytest
 import bench
 import bench.attribution
 
+pytestmark = pytest.mark.slow  # the bench scripts' smoke runs: the slow tier
+
 MODULES = sorted({f"bench.{m.name}" for m in pkgutil.iter_modules(bench.__path__)}
                  | {f"bench.attribution.{m.name}" for m in pkgutil.iter_modules(bench.attribution.__path__)})
 

@@ -168,8 +168,11 @@ def test_ci_installs_as_the_readme_does_into_a_new_environment():
     assert 'python3 -m venv "$venv"' in ci and "system-site-packages" not in ci
     assert ci.index('source "$venv/bin/activate"') < ci.index("python3 -m pip install")
     assert "deptry prism_tda bench tests" in ci
-    test_cmd = re.search(r"```bash\n(python3 -m pytest[^\n]*)\n```", readme).group(1)
-    assert test_cmd in ci
+    tiers = re.findall(r"^(python3 -m pytest[^\n]*)$", readme, re.M)
+    assert tiers == ["python3 -m pytest -q", "python3 -m pytest -q -m slow"], tiers  # the fast tier, then the slow
+    for cmd in tiers:
+        assert re.search(rf"^run_tier \S+ {re.escape(cmd)}$", ci, re.M), cmd
+    assert "'not slow'" in tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["pytest"]["ini_options"]["addopts"]
     dev = {Requirement(d).name.lower() for d in tomllib.loads((REPO / "pyproject.toml").read_text())
            ["project"]["optional-dependencies"]["dev"]}
     assert {"scipy", "rank-bm25", "ray", "transformers", "datasets", "accelerate", "deptry"} <= dev

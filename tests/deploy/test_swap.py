@@ -136,6 +136,7 @@ def test_swap_under_load_fails_no_request_and_refuses_another_model(index_a, ind
     assert server.log_path.read_text().count("index swapped") >= 3  # SIGHUP, admin, SIGHUP
 
 
+@pytest.mark.slow
 def test_admin_keys_guard_the_admin_endpoint(index_a, server_factory):
     server = server_factory([f"tiny={index_a}"], PRISM_API_KEYS='["user-key"]', PRISM_ADMIN_API_KEYS='["admin-key"]')
     server.wait_ready()

@@ -18,6 +18,8 @@ ray = pytest.importorskip("ray")
 from prism_tda.engine.cluster import ClusterSpec  # noqa: E402
 from prism_tda.errors import ShardUnavailable  # noqa: E402
 
+pytestmark = pytest.mark.slow  # Ray: the slow tier
+
 QUERIES = [QuerySpec("A computer", " is a machine"), QuerySpec("The cat sat on the", " mat"),
            QuerySpec("Water is made of"), QuerySpec("The history of", " the city", target_index=1)]
 OPTIONS = [QueryOptions(n_documents=8), QueryOptions(n_documents=8, aggregation="cosine_sum"),

@@ -14,6 +14,8 @@ from .test_audits import wait_done
 
 ray = pytest.importorskip("ray")
 
+pytestmark = pytest.mark.slow  # Ray: the slow tier
+
 QUERIES = [{"prompt": "A computer", "completion": " is a machine", "top_k": 6},
            {"prompt": "The cat sat on the", "completion": " mat", "top_k": 6, "aggregation": "cosine_sum"},
            {"prompt": "Water is made of", "top_k": 5, "aggregation": "cosine_match", "include_untrained": True},

@@ -21,6 +21,8 @@ from prism_tda.service.fairness import Busy, FairLimiter
 
 from .conftest import ADMIN, A, B, assert_problem, auth, service_settings, serving
 
+pytestmark = pytest.mark.slow  # live servers under attack for seconds each: the slow tier
+
 TASKS = "/v1/prototypes/discover/tasks"
 # a discovery that runs for a while on the test index (selection by effect over every document)
 LONG_TASK = {"topic": {"sql": "SELECT doc_id FROM documents"}, "top_n": 60, "min_support": 1, "min_docs": 1,

@@ -8,6 +8,8 @@ import re
 import subprocess
 import sys
 
+import pytest
+
 from .conftest import assert_problem
 
 
@@ -90,6 +92,7 @@ def test_labels_name_prototypes_and_are_searchable(client):
     assert one["label"] == labelled[0]["label"]
 
 
+@pytest.mark.slow
 def test_prism_discover_cli(index):
     out = subprocess.run([sys.executable, "-m", "prism_tda.cli", "discover", "--index", str(index), "--doc-prefix",
                           "art/", "--top", "5", "--json"], capture_output=True, text=True, timeout=300)

@@ -67,6 +67,7 @@ def victim(index, tmp_path_factory):
     return ix, best
 
 
+@pytest.mark.slow
 def test_takedown_reaches_every_read_immediately_and_audits_keep_a_marked_citation(victim):
     ix, (doc, ext, prompt, completion, proto) = victim
     settings = service_settings(ix, ix.parent / "state", api_keys=[A, B], admin_api_keys=[ADMIN])

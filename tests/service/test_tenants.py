@@ -149,6 +149,7 @@ def test_validation_errors_do_not_amplify(index, tmp_path):
 
 
 # ---------------------------------------------------------------------------- 5. long work
+@pytest.mark.slow
 def test_discovery_scan_is_capped_and_the_logit_corpus_pass_cached(index, tmp_path):
     settings = service_settings(index, tmp_path / "state", discover_max_tokens=1_000)
     with serving(settings) as live:
@@ -210,6 +211,7 @@ def test_sql_result_cap_counts_column_names_and_types(index, tmp_path):
         assert_problem(r, 422, "sql-result-too-large")
 
 
+@pytest.mark.slow
 def test_slow_sql_does_not_stall_readiness_audits_or_sets(index, tmp_path):
     settings = service_settings(index, tmp_path / "state", sql_timeout_s=3.0, sql_workers=2,
                                 sql_queue_timeout_s=20)
@@ -303,6 +305,7 @@ def test_finished_audits_are_purged_after_the_retention_time(tmp_path):
     assert db.job(active["id"]) is not None  # still queued: kept
 
 
+@pytest.mark.slow
 def test_keyless_server_answers_only_loopback_names_and_sockets(index, tmp_path):
     settings = service_settings(index, tmp_path / "state")
     with serving(settings) as live:
@@ -413,6 +416,7 @@ def test_a_default_over_the_limits_comes_down_to_them(index, tmp_path):
         assert job.json()["params"]["n_candidates"] == 64
 
 
+@pytest.mark.slow
 def test_damping_cache_is_bounded(index, tmp_path):
     from prism_tda.service import create_app
 

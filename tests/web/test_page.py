@@ -10,6 +10,8 @@ import pytest
 
 from tests.service.conftest import service_settings, serving
 
+pytestmark = pytest.mark.slow  # the browser: the slow tier
+
 PROMPT = "The man said that"
 
 
