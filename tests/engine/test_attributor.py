@@ -730,23 +730,34 @@ def test_the_damping_cache_is_bounded(att):
         att.preconditioner(float("nan"))
 
 
-def test_exact_mode_is_estimated_before_it_starts(index):
-    """The estimate comes from a few timed batches (a small share of the pass) and errs long; after an
-    exact pass it is that pass's own rate."""
+def test_exact_mode_is_estimated_before_it_starts(index, monkeypatch):
+    """The estimate comes from a few timed batches (64 sequences, a small share of the pass) and covers
+    every token; after an exact pass it is that pass's own rate. Checked by what the estimate is made of,
+    not by wall-clock ratios, which a loaded machine changes (how close it comes is a benchmark's matter)."""
     import time
 
+    import prism_tda.engine.exact as exact_module
+
+    timed: list[int | None] = []
+    real = exact_module.exhaustive
+
+    def counting(*args, **kw):
+        timed.append(kw.get("n_seqs"))
+        return real(*args, **kw)
+
+    monkeypatch.setattr(exact_module, "exhaustive", counting)
     att = Attributor.open(index)
-    t0 = time.perf_counter()
     est = att.exact_estimate()
-    measure_s = time.perf_counter() - t0
+    assert timed == [64] and 64 < att.reader.n_seqs  # a few batches, not the pass
     assert est.tokens == att.reader.n_tokens and est.tokens_per_s > 0
+    assert est.seconds == pytest.approx(est.tokens / est.tokens_per_s)
+    assert att.exact_estimate() == est  # measured once
     t0 = time.perf_counter()
     att.attribute(COMPUTER, exact(3))
     pass_s = time.perf_counter() - t0
-    assert measure_s < pass_s / 3  # it times 64 of the index's sequences
-    assert 0.3 < est.seconds / pass_s < 5  # the pass also scores and ranks; the timed batches warm up
     after = att.exact_estimate()
-    assert after.seconds == pytest.approx(pass_s, rel=0.3)  # the pass's own rate, less its presentation
+    assert after.tokens == est.tokens and after.tokens_per_s != est.tokens_per_s
+    assert 0 < after.seconds <= pass_s  # the pass's own recomputation, a part of the whole answer
 
 
 def test_external_ids_read_alone_are_the_documents_ids(att):
