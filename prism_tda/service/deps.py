@@ -149,8 +149,14 @@ class Services:
     async def run_cancellable(self, request: Request, ix: LoadedIndex, who: Principal, fn: Callable[..., T],
                               *args: Any, heavy: bool = False, **kwargs: Any) -> T:
         """:meth:`run` for work that takes a ``stop`` event: set when the client disconnects, so the work
-        stops at its next check (the engine raises ``Cancelled``, answered 499). ``heavy``: at each check the
-        work first lets the light computations beside it finish (:class:`YieldingStop`)."""
+        stops at its next check (the engine raises ``Cancelled``, answered 499). ``heavy``: counted against
+        the key's heavy requests (:meth:`heavy_request`), and at each check the work first lets the light
+        computations beside it finish (:class:`YieldingStop`)."""
+        with self.heavy_request(who) if heavy else contextlib.nullcontext():
+            return await self._run_cancellable(request, ix, who, fn, *args, heavy=heavy, **kwargs)
+
+    async def _run_cancellable(self, request: Request, ix: LoadedIndex, who: Principal, fn: Callable[..., T],
+                               *args: Any, heavy: bool, **kwargs: Any) -> T:
         stop = YieldingStop(self.threads) if heavy else threading.Event()
 
         async def watch() -> None:

@@ -102,6 +102,8 @@ class FairLimiter:
                     if not queue:
                         del self._waiting[key]
                         del self._turns[key]
+                        if not self.held[key]:
+                            self._cap.pop(key, None)
             raise
 
     def release(self, key: str) -> None:

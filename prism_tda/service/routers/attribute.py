@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
-
 from fastapi import APIRouter, Request
 
 from .. import problems as p
@@ -28,10 +26,8 @@ async def attribute(body: AttributeRequest, request: Request, services: Services
     options = body.options()
     services.check_limits(max_new_tokens=body.max_new_tokens, options=options, context=ix.attributor.encoder.context)
     options = services.bounded(options)
+    if options.mode == "exact":
+        await services.run(ix, principal, ix.check_exact_time, services.settings.exact_max_seconds)
     heavy = options.mode == "exact" or options.influence or body.max_new_tokens is not None
-    with services.heavy_request(principal) if heavy else contextlib.nullcontext():
-        if options.mode == "exact":
-            await services.run(ix, principal, ix.check_exact_time, services.settings.exact_max_seconds)
-        res = await services.run_cancellable(request, ix, principal, ix.attribute, body.spec(), options,
-                                             heavy=heavy)
+    res = await services.run_cancellable(request, ix, principal, ix.attribute, body.spec(), options, heavy=heavy)
     return AttributeResponse.of(ix.name, res)

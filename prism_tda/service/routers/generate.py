@@ -57,11 +57,10 @@ async def generate(body: GenerateRequest, request: Request, services: ServicesDe
     services.check_limits(n_items=("steer", len(scale)))
     if body.gate is not None and not scale:
         raise p.InvalidQuery("gate: needs prototypes to scale (suppress, steer or prototype_alphas)")
-    with services.heavy_request(principal):
-        gen, n_prompt = await services.run_cancellable(
-            request, ix, principal, ix.generate, body.prompt, heavy=True, max_new_tokens=n_new,
-            temperature=body.temperature,
-            sample_top_k=body.sample_top_k, seed=body.seed, scale=scale, gate=body.gate, gate_window=body.gate_window)
+    gen, n_prompt = await services.run_cancellable(
+        request, ix, principal, ix.generate, body.prompt, heavy=True, max_new_tokens=n_new,
+        temperature=body.temperature, sample_top_k=body.sample_top_k, seed=body.seed, scale=scale, gate=body.gate,
+        gate_window=body.gate_window)
     return GenerateResponse(index=ix.name, completion=gen.text, token_ids=gen.token_ids, n_prompt_tokens=n_prompt,
                             stopped=gen.stopped, suppressed=sorted(set(suppressed)), suppress_set=set_name,
                             alpha=body.alpha, steered=[t for _, t in terms], gate=body.gate if scale else None,

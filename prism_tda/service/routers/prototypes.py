@@ -89,13 +89,12 @@ async def discover_prototypes(body: DiscoverRequest, request: Request, services:
     ix = services.registry.get(body.index)
     topic = await _doc_ids(services, ix, body.topic, "topic", principal)
     contrast = await _doc_ids(services, ix, body.contrast, "contrast", principal)
-    with services.heavy_request(principal):
-        out = await services.run_cancellable(
-            request, ix, principal, ix.discover, heavy=True, topic=topic, contrast=contrast, top_n=body.top_n,
-            min_support=body.min_support,
-            min_docs=body.min_docs, smoothing=body.smoothing, include_untrained=body.include_untrained,
-            contexts=body.contexts, measure=body.measure, max_tokens=services.settings.discover_max_tokens,
-            select=body.select, max_selected=body.max_selected, max_ppl_ratio=body.max_ppl_ratio)
+    out = await services.run_cancellable(
+        request, ix, principal, ix.discover, heavy=True, topic=topic, contrast=contrast, top_n=body.top_n,
+        min_support=body.min_support, min_docs=body.min_docs, smoothing=body.smoothing,
+        include_untrained=body.include_untrained, contexts=body.contexts, measure=body.measure,
+        max_tokens=services.settings.discover_max_tokens, select=body.select, max_selected=body.max_selected,
+        max_ppl_ratio=body.max_ppl_ratio)
     return DiscoverResponse(index=ix.name, **out)
 
 
